@@ -1,0 +1,51 @@
+"""modeltap: per-layer activations of PyTorch and Hugging Face models, from one command.
+
+The public API is imported lazily so that `import modeltap` (and `modeltap --help`) stays instant.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# Bound eagerly (capture.py imports no torch at load time): the submodule has the same name, and
+# a lazy attribute would be shadowed by the submodule as soon as anything imported it.
+from modeltap.capture import capture  # noqa: E402
+
+_EXPORTS = {
+    "hooks": "modeltap.capture",
+    "Captured": "modeltap.capture",
+    "dump_model": "modeltap.run",
+    "load_dump": "modeltap.dump",
+    "Dump": "modeltap.dump",
+    "DumpWriter": "modeltap.dump",
+    "load_model": "modeltap.loading",
+    "text_inputs": "modeltap.loading",
+    "file_inputs": "modeltap.loading",
+    "Inputs": "modeltap.loading",
+    "Selection": "modeltap.selection",
+    "select_modules": "modeltap.selection",
+    "tensor_stats": "modeltap.stats",
+    "TensorStats": "modeltap.stats",
+    "ModeltapError": "modeltap.errors",
+}
+
+__all__ = ["__version__", "capture", *_EXPORTS]
+
+if TYPE_CHECKING:
+    from modeltap.capture import Captured, hooks
+    from modeltap.dump import Dump, DumpWriter, load_dump
+    from modeltap.errors import ModeltapError
+    from modeltap.loading import Inputs, file_inputs, load_model, text_inputs
+    from modeltap.run import dump_model
+    from modeltap.selection import Selection, select_modules
+    from modeltap.stats import TensorStats, tensor_stats
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'modeltap' has no attribute {name!r}")

@@ -1,0 +1,3 @@
+from modeltap.cli import main
+
+main()

@@ -1,0 +1,319 @@
+"""The `modeltap` command: parses options, calls the library, prints. No tensor logic here.
+
+torch and transformers are imported inside the commands, so `modeltap --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from modeltap.config import Settings, load_settings
+from modeltap.errors import InputError, ModeltapError
+from modeltap.loading import Device, DType
+
+app = typer.Typer(
+    name="modeltap",
+    help="Inspect what a PyTorch / Hugging Face model computes, layer by layer.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _stdout() -> Console:
+    return Console(soft_wrap=False)
+
+
+def _stderr() -> Console:
+    return Console(stderr=True)
+
+
+def handle_errors(command: F) -> F:
+    """ModeltapError -> `error: ...` on stderr and its exit code; MODELTAP_DEBUG=1 re-raises."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except ModeltapError as exc:
+            if os.environ.get("MODELTAP_DEBUG"):
+                raise
+            print(f"error: {exc.message}", file=sys.stderr)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            print("interrupted; nothing was written", file=sys.stderr)
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+# Options shared by several commands, defined once.
+ModelArg = Annotated[
+    str | None, typer.Argument(help="Hugging Face model id or local folder with config.json.")
+]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option("--config", "-c", help="TOML settings file (see configs/).", show_default=False),
+]
+DepthOpt = Annotated[
+    int | None,
+    typer.Option("--depth", "-d", help="Keep modules with at most N dotted name parts (root = 0)."),
+]
+IncludeOpt = Annotated[
+    list[str] | None,
+    typer.Option("--include", "-i", help="Glob on dotted module names; repeatable."),
+]
+ExcludeOpt = Annotated[
+    list[str] | None, typer.Option("--exclude", "-x", help="Glob to leave out; repeatable.")
+]
+OutOpt = Annotated[
+    Path | None,
+    typer.Option("--out", "-o", help="Dump file [default: <model name>.dump.safetensors]."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")]
+RevisionOpt = Annotated[str | None, typer.Option(help="Hub revision: branch, tag or commit.")]
+ModelClassOpt = Annotated[
+    str | None,
+    typer.Option(help="transformers class to load with [default: AutoModel].", show_default=False),
+]
+TrustOpt = Annotated[
+    bool | None,
+    typer.Option("--trust-remote-code/--no-trust-remote-code", help="Run the model repo's code."),
+]
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    version: Annotated[bool, typer.Option("--version", help="Print the version.")] = False,
+) -> None:
+    if version:
+        from modeltap import __version__
+
+        print(f"modeltap {__version__}")
+        raise typer.Exit(0)
+
+
+def _settings(command: str, config: Path | None, **flags: Any) -> Settings:
+    return load_settings(command, config_file=config, flags=flags)
+
+
+@app.command()
+@handle_errors
+def dump(
+    model: ModelArg = None,
+    text: Annotated[
+        list[str] | None, typer.Argument(help="Sentences, run as one padded batch.")
+    ] = None,
+    input_file: Annotated[
+        Path | None,
+        typer.Option(help="Tensors instead of text: .safetensors, .npy, .npz or .pt."),
+    ] = None,
+    depth: DepthOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    inputs: Annotated[
+        bool | None, typer.Option("--inputs/--no-inputs", help="Also capture module inputs.")
+    ] = None,
+    out: OutOpt = None,
+    stats_only: Annotated[
+        bool | None,
+        typer.Option("--stats-only/--with-tensors", help="Write statistics only, no tensors."),
+    ] = None,
+    json_out: JsonOpt = False,
+    revision: RevisionOpt = None,
+    model_class: ModelClassOpt = None,
+    tokenizer: Annotated[
+        str | None, typer.Option(help="Tokenizer id or folder [default: the model's].")
+    ] = None,
+    trust_remote_code: TrustOpt = None,
+    dtype: Annotated[DType | None, typer.Option(help="Model dtype [default: float32].")] = None,
+    device: Annotated[Device | None, typer.Option(help="Where to run [default: cpu].")] = None,
+    seed: Annotated[int | None, typer.Option(help="torch seed set before the run [default: 0].")] = None,
+    train_mode: Annotated[
+        bool | None, typer.Option("--train-mode/--eval-mode", help="Keep dropout etc. active.")
+    ] = None,
+    dead_threshold: Annotated[
+        float | None,
+        typer.Option(help="A unit is dead when never above this [default: 0]."),
+    ] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Run a model on text or tensors and write every selected module's output to safetensors."""
+    s = _settings(
+        "dump",
+        config,
+        model=model,
+        texts=text or [],
+        input_file=str(input_file) if input_file else None,
+        depth=depth,
+        include=include or [],
+        exclude=exclude or [],
+        inputs=inputs,
+        out=str(out) if out else None,
+        stats_only=stats_only,
+        revision=revision,
+        model_class=model_class,
+        tokenizer=tokenizer,
+        trust_remote_code=trust_remote_code,
+        dtype=dtype.value if dtype else None,
+        device=device.value if device else None,
+        seed=seed,
+        train_mode=train_mode,
+        dead_threshold=dead_threshold,
+    )
+    from modeltap.run import default_out
+    from modeltap.dump import check_writable
+
+    if not s.model:
+        raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
+    if s.texts and s.input_file:
+        raise InputError("give TEXT or --input-file, not both")
+    if not s.texts and not s.input_file:
+        raise InputError("nothing to run on; give TEXT or --input-file")
+    path = Path(s.out) if s.out else default_out(s.model)
+    check_writable(path)
+
+    err = _stderr()
+    with err.status(f"loading {s.model}"):
+        loaded, inputs_ = _load_with_inputs(s)
+    from modeltap.run import dump_model
+    from modeltap.selection import Selection
+
+    with err.status(f"running {loaded.model_class}"):
+        written = dump_model(
+            loaded.model,
+            inputs_,
+            path,
+            selection=Selection(s.depth, tuple(s.include), tuple(s.exclude)),
+            capture_inputs=s.inputs,
+            train_mode=s.train_mode,
+            seed=s.seed,
+            stats_only=s.stats_only,
+            dead_threshold=s.dead_threshold,
+            metadata=_run_metadata(s, loaded),
+        )
+    from modeltap.dump import load_dump
+
+    _print_opened(load_dump(written), json_out=json_out)
+    err.print(f"wrote {written} ({written.stat().st_size / 1e6:.1f} MB)")
+
+
+def _load_with_inputs(s: Settings) -> tuple[Any, Any]:
+    import torch
+
+    from modeltap.loading import (
+        add_decoder_inputs,
+        file_inputs,
+        load_model,
+        load_tokenizer,
+        text_inputs,
+    )
+
+    loaded = load_model(
+        s.model or "",
+        revision=s.revision,
+        model_class_name=s.model_class,
+        dtype=s.dtype,
+        device=s.device,
+        trust_remote_code=s.trust_remote_code,
+    )
+    if s.texts:
+        where = s.tokenizer or loaded.source.path
+        tok = load_tokenizer(where, trust_remote_code=s.trust_remote_code)
+        inputs_ = text_inputs(tok, s.texts)
+    else:
+        inputs_ = file_inputs(s.input_file or "")
+    inputs_ = add_decoder_inputs(loaded.model, inputs_)
+    return loaded, inputs_.to(loaded.device, getattr(torch, loaded.dtype))
+
+
+def _run_metadata(s: Settings, loaded: Any) -> dict[str, str]:
+    meta = {"model": s.model or "", "dtype": loaded.dtype, "device": loaded.device}
+    if loaded.source.revision:
+        meta["revision"] = loaded.source.revision
+    return meta
+
+
+@app.command()
+@handle_errors
+def show(
+    file: Annotated[Path, typer.Argument(help="A dump written by modeltap (or any safetensors).")],
+    json_out: JsonOpt = False,
+) -> None:
+    """Print a dump's tree of statistics again, from the file alone."""
+    from modeltap.dump import load_dump
+
+    opened = load_dump(file)
+    if not opened.is_modeltap:
+        _stderr().print("no modeltap metadata: computing statistics from the tensors")
+        from modeltap.stats import tensor_stats
+
+        opened.stats = {k: tensor_stats(opened[k]) for k in opened.stored}
+    _print_opened(opened, json_out=json_out)
+
+
+def _print_opened(opened: Any, *, json_out: bool) -> None:
+    from modeltap.render import dump_heading, dump_json, dump_table
+
+    if json_out:
+        print(json.dumps(dump_json(opened), indent=1))
+        return
+    console = _stdout()
+    console.print(dump_heading(opened))
+    console.print(dump_table(opened, width=console.width))
+
+
+@app.command("ls")
+@handle_errors
+def list_modules(
+    model: ModelArg = None,
+    depth: DepthOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    revision: RevisionOpt = None,
+    model_class: ModelClassOpt = None,
+    trust_remote_code: TrustOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """List a model's modules as a tree, without loading weights or running it."""
+    s = _settings(
+        "ls",
+        config,
+        model=model,
+        depth=depth,
+        include=include or [],
+        exclude=exclude or [],
+        revision=revision,
+        model_class=model_class,
+        trust_remote_code=trust_remote_code,
+    )
+    if not s.model:
+        raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
+    from modeltap.loading import load_meta_model
+    from modeltap.render import module_table
+    from modeltap.selection import Selection, select_modules
+
+    meta_model, _ = load_meta_model(
+        s.model,
+        revision=s.revision,
+        model_class_name=s.model_class,
+        trust_remote_code=s.trust_remote_code,
+    )
+    names = select_modules(meta_model, Selection(s.depth, tuple(s.include), tuple(s.exclude)))
+    _stdout().print(module_table(meta_model, names))
+
+
+def main() -> None:
+    app()

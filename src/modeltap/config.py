@@ -1,0 +1,162 @@
+"""Settings, merged: defaults < --config FILE < ./modeltap.toml or [tool.modeltap] < MODELTAP_* < flags.
+
+A TOML file holds keys for every command at its top level and per-command keys in a table named
+after the command (`[dump]`), which win over the top level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modeltap.errors import InputError
+from modeltap.selection import suggest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+COMMANDS = ("dump", "grads", "diff", "show", "ls")
+PROJECT_FILE = "modeltap.toml"
+
+
+@dataclass
+class Settings:
+    model: str | None = None
+    texts: list[str] = field(default_factory=list)
+    input_file: str | None = None
+    depth: int | None = None
+    include: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
+    inputs: bool = False
+    out: str | None = None
+    stats_only: bool = False
+    revision: str | None = None
+    model_class: str = "AutoModel"
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    train_mode: bool = False
+    dead_threshold: float = 0.0
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+# Scalar types of each field, for checking TOML values and parsing environment variables.
+_TYPES: dict[str, type] = {
+    "texts": list,
+    "include": list,
+    "exclude": list,
+    "inputs": bool,
+    "stats_only": bool,
+    "trust_remote_code": bool,
+    "train_mode": bool,
+    "depth": int,
+    "seed": int,
+    "dead_threshold": float,
+}
+
+
+def _check(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    checked: dict[str, Any] = {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in _FIELDS:
+            guess = suggest(name, _FIELDS)
+            hint = f"did you mean '{guess}'?" if guess else "see the README for the keys"
+            raise InputError(f"{where}: unknown setting '{key}'; {hint}")
+        expected = _TYPES.get(name, str)
+        ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            ok, value = True, float(value)
+        if expected is list:
+            ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        if not ok:
+            raise InputError(
+                f"{where}: '{key}' must be {'a list of strings' if expected is list else expected.__name__}"
+                f", got {value!r}"
+            )
+        checked[name] = value
+    return checked
+
+
+def _table(data: Mapping[str, Any], command: str, where: str) -> dict[str, Any]:
+    top = {k: v for k, v in data.items() if k not in COMMANDS}
+    section = data.get(command, {})
+    if not isinstance(section, Mapping):
+        raise InputError(f"{where}: [{command}] must be a table")
+    return {**_check(top, where), **_check(section, f"{where} [{command}]")}
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise InputError(f"can't read config '{path}' ({exc.strerror}); check --config") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise InputError(f"config '{path}' is not valid TOML ({exc}); fix it") from exc
+
+
+def project_config(cwd: Path) -> tuple[dict[str, Any], str] | None:
+    """./modeltap.toml, else [tool.modeltap] of ./pyproject.toml, if either exists."""
+    own = cwd / PROJECT_FILE
+    if own.is_file():
+        return read_toml(own), str(own)
+    pyproject = cwd / "pyproject.toml"
+    if pyproject.is_file():
+        tool = read_toml(pyproject).get("tool", {}).get("modeltap")
+        if isinstance(tool, Mapping):
+            return dict(tool), f"{pyproject} [tool.modeltap]"
+    return None
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name in _FIELDS:
+        raw = env.get(f"MODELTAP_{name.upper()}")
+        if raw is None or _TYPES.get(name) is list:
+            continue
+        kind = _TYPES.get(name, str)
+        try:
+            if kind is bool:
+                if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError(raw)
+                values[name] = raw.lower() in ("1", "true", "yes")
+            else:
+                values[name] = kind(raw)
+        except ValueError as exc:
+            raise InputError(
+                f"MODELTAP_{name.upper()}={raw!r} is not a valid {kind.__name__}; fix or unset it"
+            ) from exc
+    return values
+
+
+def load_settings(
+    command: str,
+    *,
+    config_file: str | os.PathLike[str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Settings:
+    """Merge every source; `flags` holds only what the user typed (None and [] mean unset)."""
+    merged: dict[str, Any] = {}
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise InputError(f"no config file '{path}'; check --config")
+        merged.update(_table(read_toml(path), command, str(path)))
+    project = project_config(cwd or Path.cwd())
+    if project is not None:
+        merged.update(_table(project[0], command, project[1]))
+    merged.update(_from_env(os.environ if env is None else env))
+    merged.update({k: v for k, v in (flags or {}).items() if v is not None and v != []})
+    return Settings(**merged)

@@ -1,0 +1,231 @@
+"""Pure builders of Rich tables from dumps and module trees; only cli.py prints them."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+from rich.text import Text
+
+from modeltap.capture import split_key
+from modeltap.selection import ROOT
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from modeltap.dump import Dump
+    from modeltap.stats import TensorStats
+
+# A unit share at or above this many dead units is shown in the warning colour.
+DEAD_WARN = 0.5
+# Terminals at least this wide get the extra columns (dtype, std, min, max, aliases).
+WIDE = 120
+
+
+def fmt(value: float | None) -> str:
+    """Four significant digits in at most 8 characters: 0.007522, 886.7, -1.79e-4, 3.4e+38."""
+    if value is None:
+        return "-"
+    if value == 0 or (math.isfinite(value) and 1e-3 <= abs(value) < 1e4):
+        return f"{value:.4g}"
+    if not math.isfinite(value):
+        return str(value)
+    mantissa, exponent = f"{value:.2e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def fmt_shape(shape: Sequence[int]) -> str:
+    return "×".join(str(s) for s in shape) if shape else "scalar"
+
+
+@dataclass
+class _Node:
+    module: str
+    keys: list[str] = field(default_factory=list)
+    children: list[_Node] = field(default_factory=list)
+    first: int = 0
+
+
+def _module_tree(keys: Sequence[str]) -> list[_Node]:
+    """Modules of `keys` as a forest: each under its nearest listed ancestor, in first-use order."""
+    nodes: dict[str, _Node] = {}
+    for index, key in enumerate(keys):
+        module = split_key(key)[0]
+        node = nodes.setdefault(module, _Node(module, first=index))
+        node.keys.append(key)
+    roots: list[_Node] = []
+    for name in nodes:
+        parent = _nearest_ancestor(name, nodes)
+        (roots if parent is None else nodes[parent].children).append(nodes[name])
+
+    def first_use(node: _Node) -> int:
+        node.children.sort(key=first_use)
+        return min([node.first, *(first_use(c) for c in node.children)])
+
+    roots.sort(key=first_use)
+    return roots
+
+
+def _nearest_ancestor(name: str, nodes: dict[str, _Node]) -> str | None:
+    if name == ROOT:
+        return None
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        candidate = ".".join(parts[:cut])
+        if candidate in nodes:
+            return candidate
+    return ROOT if ROOT in nodes else None
+
+
+def _relative(name: str, parent: str | None) -> str:
+    if parent is None or parent == ROOT:
+        return name
+    return name[len(parent) + 1 :]
+
+
+def _walk(
+    nodes: list[_Node], parent: str | None, prefix: str
+) -> Iterable[tuple[str, str | None]]:
+    """(tree-guided label, key or None for a branch without its own row) in display order."""
+    for i, node in enumerate(nodes):
+        last = i == len(nodes) - 1
+        guide = prefix + ("└─ " if last else "├─ ") if parent is not None else prefix
+        inner = prefix + ("   " if last else "│  ") if parent is not None else prefix
+        label = _relative(node.module, parent)
+        plain = [k for k in node.keys if k == node.module]
+        extra = [k for k in node.keys if k != node.module]
+        yield guide + label, plain[0] if plain else None
+        sub = [(k[len(node.module) :], k) for k in extra]
+        for j, (suffix, key) in enumerate(sub):
+            end = j == len(sub) - 1 and not node.children
+            yield inner + ("└─ " if end else "├─ ") + suffix, key
+        yield from _walk(node.children, node.module, inner)
+
+
+def dump_table(dump: Dump, *, width: int = 80) -> Table:
+    """The tree of captured tensors with their statistics, as wide as `width` allows."""
+    wide = width >= WIDE
+    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", padding=(0, 1))
+    table.add_column("module", no_wrap=True, overflow="ellipsis")
+    table.add_column("shape", justify="right")
+    if wide:
+        table.add_column("dtype")
+    table.add_column("norm", justify="right")
+    table.add_column("mean", justify="right")
+    if wide:
+        table.add_column("std", justify="right")
+        table.add_column("min", justify="right")
+        table.add_column("max", justify="right")
+    else:
+        table.add_column("absmax", justify="right")
+    table.add_column("nan/inf", justify="right")
+    table.add_column("dead", justify="right")
+    if wide:
+        table.add_column("same tensor as")
+    for label, key in _walk(_module_tree(dump.keys()), None, ""):
+        if key is None:
+            table.add_row(label)
+            continue
+        stats = dump.stats_for(key)
+        alias_of = dump.aliases.get(key)
+        table.add_row(*_stats_cells(label, stats, wide=wide, alias_of=alias_of))
+    return table
+
+
+def _stats_cells(
+    label: str, stats: TensorStats | None, *, wide: bool, alias_of: str | None
+) -> list[Any]:
+    style = "dim" if alias_of else ""
+    if stats is None:
+        return [Text(label, style=style), "?"]
+    bad = stats.nan + stats.inf
+    name = Text(label, style="bold red" if bad else style)
+    cells: list[Any] = [name, Text(fmt_shape(stats.shape), style=style)]
+    if wide:
+        cells.append(Text(stats.dtype, style=style))
+    cells += [Text(fmt(stats.norm), style=style), Text(fmt(stats.mean), style=style)]
+    if wide:
+        cells += [Text(fmt(v), style=style) for v in (stats.std, stats.min, stats.max)]
+    else:
+        cells.append(Text(fmt(stats.absmax), style=style))
+    cells.append(Text(f"{stats.nan}/{stats.inf}" if bad else "0", style="bold red" if bad else style))
+    cells.append(_dead_cell(stats, wide=wide, style=style))
+    if wide:
+        cells.append(Text(alias_of or "", style="dim"))
+    return cells
+
+
+def _dead_cell(stats: TensorStats, *, wide: bool, style: str) -> Text:
+    fraction = stats.dead_fraction
+    if fraction is None:
+        return Text("-", style=style)
+    text = f"{stats.dead}/{stats.units}" if wide else f"{fraction:.0%}"
+    return Text(text, style="yellow" if fraction >= DEAD_WARN else style)
+
+
+def dump_heading(dump: Dump) -> Text:
+    """A line or two above the table: what ran on what, and what the file holds."""
+    meta = dump.metadata
+    text = Text()
+    if dump.is_modeltap:
+        text.append(meta.get("model", "?"), style="bold")
+        text.append(f" ({meta.get('model_class', '?')}, {meta.get('dtype', '?')}, ")
+        text.append(f"{meta.get('device', '?')})")
+        inputs = json.loads(meta.get("inputs", "{}"))
+        if "texts" in inputs:
+            text.append("  inputs: " + " | ".join(repr(t) for t in inputs["texts"]))
+        elif "file" in inputs:
+            text.append(f"  inputs: {inputs['file']}")
+        text.append("\n")
+    else:
+        text.append(f"{dump.path.name}: plain safetensors file, no modeltap metadata\n")
+    n_aliases = len(dump.aliases)
+    text.append(f"{len(dump.stats)} tensors", style="bold")
+    text.append(f", {n_aliases} aliases" if n_aliases else "")
+    skipped = len(json.loads(meta.get("skipped", "{}"))) + int(meta.get("skipped_none", "0") or 0)
+    text.append(f", {skipped} non-tensor outputs skipped" if skipped else "")
+    if meta.get("stats_only") == "true":
+        text.append("  (statistics only, no tensor data)", style="italic")
+    return text
+
+
+def dump_json(dump: Dump) -> dict[str, Any]:
+    """The same statistics as the table, as one JSON-ready object."""
+    meta = dump.metadata
+    tensors = []
+    for key in dump.keys():
+        module, call, part = split_key(key)
+        stats = dump.stats_for(key)
+        entry: dict[str, Any] = {"key": key, "module": module, "call": call, "part": part}
+        if key in dump.aliases:
+            entry["alias_of"] = dump.aliases[key]
+        if stats is not None:
+            entry.update(stats.to_json())
+        tensors.append(entry)
+    header = {k: meta[k] for k in ("model", "model_class", "revision", "dtype", "device") if k in meta}
+    for k in ("inputs", "selection", "skipped"):
+        if k in meta:
+            header[k] = json.loads(meta[k])
+    return {"file": str(dump.path), **header, "tensors": tensors}
+
+
+def module_table(model: nn.Module, names: Sequence[str]) -> Table:
+    """`modeltap ls`: the selected modules as a tree, with class and parameter count."""
+    by_name = {(n or ROOT): m for n, m in model.named_modules()}
+    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
+    table.add_column("module", no_wrap=True, overflow="ellipsis")
+    table.add_column("class")
+    table.add_column("params", justify="right")
+    for label, key in _walk(_module_tree(list(names)), None, ""):
+        module = by_name[key] if key is not None else None
+        if module is None:
+            table.add_row(label)
+            continue
+        params = sum(p.numel() for p in module.parameters())
+        table.add_row(label, type(module).__name__, f"{params:,}")
+    return table
+
