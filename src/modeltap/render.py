@@ -109,7 +109,7 @@ def _walk(
 def dump_table(dump: Dump, *, width: int = 80) -> Table:
     """The tree of captured tensors with their statistics, as wide as `width` allows."""
     wide = width >= WIDE
-    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", padding=(0, 1))
+    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", padding=(0, 1), collapse_padding=True)
     table.add_column("module", no_wrap=True, overflow="ellipsis")
     table.add_column("shape", justify="right")
     if wide:

@@ -1,0 +1,140 @@
+import pytest
+import torch
+
+from modeltap.capture import capture, hooks, make_key, split_key
+from modeltap.errors import SelectionError
+from tests.fixtures.models import InPlace, ReuseLinear, Structured, Wrapped
+
+
+def test_key_round_trip():
+    for module, call, part in [("a.b", 0, ""), ("a.b", 2, ""), ("__root__", 0, "0.z"), ("x", 1, "in.0")]:
+        assert split_key(make_key(module, call, part)) == (module, call, part)
+
+
+def test_reused_module_gets_one_key_per_call_in_order():
+    torch.manual_seed(0)
+    m = ReuseLinear().eval()
+    x = torch.randn(2, 4)
+    cap = capture(m, x)
+    first = m.fc(x)
+    second = m.fc(torch.relu(first))
+    assert cap.order == ["fc", "fc@1", "__root__"]
+    assert torch.equal(cap["fc"], first)
+    assert torch.equal(cap["fc@1"], second)
+    assert cap.aliases == {"__root__": "fc@1"}
+
+
+def test_value_is_taken_when_the_module_returns_despite_later_in_place_ops():
+    torch.manual_seed(0)
+    m = InPlace().eval()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        a_out = m.a(x)  # independent computation of each step
+        b_out = m.b(a_out + 1.0)
+    cap = capture(m, x)
+    assert torch.equal(cap["a"], a_out)
+    assert torch.equal(cap["b"], b_out)
+    assert (b_out < 0).any(), "the test needs negative values that ReLU(inplace) overwrites"
+    assert torch.equal(cap["act"], torch.relu(b_out))
+
+
+def test_structured_outputs_are_flattened_and_non_tensors_skipped():
+    torch.manual_seed(0)
+    m = Structured().eval()
+    x = torch.randn(2, 4)
+    cap = capture(m, x)
+    y = m.fc(x)
+    assert set(cap.keys()) == {"fc", "__root__:0", "__root__:1.double", "__root__:2.0"}
+    assert torch.allclose(cap["__root__:1.double"], y * 2)
+    assert torch.allclose(cap["__root__:2.0"], y.sum())
+    assert cap.skipped == {"__root__:1.count": "int"}
+
+
+def test_eval_dropout_and_wrappers_are_aliases_of_one_tensor():
+    m = Wrapped().eval()
+    cap = capture(m, torch.randn(2, 4))
+    assert cap.aliases == {"inner.1": "inner.0", "inner": "inner.0", "__root__": "inner.0"}
+    assert list(cap.tensors) == ["inner.0"]
+
+
+def test_train_mode_dropout_is_a_new_tensor():
+    m = Wrapped()
+    cap = capture(m, torch.randn(2, 4), train_mode=True, seed=0)
+    assert "inner.1" in cap.tensors
+    assert m.training  # restored
+
+
+def test_inputs_captured_on_request():
+    m = Wrapped().eval()
+    x = torch.randn(2, 4)
+    cap = capture(m, x, inputs=True, modules=["inner.0"])
+    assert torch.equal(cap["inner.0:in.0"], x)
+
+
+def test_hooks_come_off_and_model_is_bit_identical(bert_dir):
+    from transformers import BertModel
+
+    model = BertModel.from_pretrained(bert_dir).train()
+    ids = torch.tensor([[2, 10, 11, 12, 3]])
+    model.eval()
+    with torch.no_grad():
+        before = model(input_ids=ids).last_hidden_state
+    model.train()
+    capture(model, input_ids=ids)
+    assert model.training and all(m.training for m in model.modules())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    model.eval()
+    with torch.no_grad():
+        after = model(input_ids=ids).last_hidden_state
+    assert torch.equal(before, after)
+
+
+def test_hooks_come_off_when_forward_fails():
+    m = Wrapped()
+    with pytest.raises(RuntimeError), hooks(m, ["inner.0"], _NullSink()):
+        m(torch.randn(2, 5))  # wrong width
+    assert not any(mod._forward_hooks for mod in m.modules())
+
+
+def test_unknown_module_name():
+    with pytest.raises(SelectionError, match="did you mean 'inner.0'"):
+        with hooks(Wrapped(), ["innr.0"], _NullSink()):
+            pass
+
+
+def test_bert_layers_equal_hidden_states(bert_dir):
+    from transformers import AutoTokenizer, BertModel
+
+    model = BertModel.from_pretrained(bert_dir).eval()
+    tok = AutoTokenizer.from_pretrained(bert_dir)
+    batch = tok(["hello world", "the quick brown fox"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        ref = model(**batch, output_hidden_states=True)
+    cap = capture(model, **batch)
+    assert torch.equal(cap["embeddings"], ref.hidden_states[0])
+    for i in range(model.config.num_hidden_layers):
+        assert torch.equal(cap[f"encoder.layer.{i}"], ref.hidden_states[i + 1])
+    assert torch.equal(cap["__root__:last_hidden_state"], ref.last_hidden_state)
+    # BertModel: a layer's output module, its LayerNorm and the layer are one tensor.
+    assert cap.aliases["encoder.layer.0.output"] == "encoder.layer.0.output.LayerNorm"
+    assert cap.aliases["encoder.layer.0"] == "encoder.layer.0.output.LayerNorm"
+
+
+def test_gpt2_cache_output_is_skipped_not_a_crash(gpt2_dir):
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(gpt2_dir).eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        ref = model(input_ids=ids)
+    cap = capture(model, input_ids=ids)
+    assert torch.equal(cap["__root__:logits"], ref.logits)
+    assert "DynamicCache" in cap.skipped.values()
+
+
+class _NullSink:
+    def tensor(self, key, tensor):
+        pass
+
+    def alias(self, key, target):
+        pass
