@@ -7,7 +7,12 @@ from tests.fixtures.models import InPlace, ReuseLinear, Structured, Wrapped
 
 
 def test_key_round_trip():
-    for module, call, part in [("a.b", 0, ""), ("a.b", 2, ""), ("__root__", 0, "0.z"), ("x", 1, "in.0")]:
+    for module, call, part in [
+        ("a.b", 0, ""),
+        ("a.b", 2, ""),
+        ("__root__", 0, "0.z"),
+        ("x", 1, "in.0"),
+    ]:
         assert split_key(make_key(module, call, part)) == (module, call, part)
 
 

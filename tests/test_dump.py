@@ -102,8 +102,9 @@ def test_failed_forward_leaves_no_file(tmp_path):
 
 
 def test_stats_only_writes_no_tensor(tmp_path):
-    path = dump_model(Wrapped().eval(), _inputs(torch.randn(2, 4)), tmp_path / "d.safetensors",
-                      stats_only=True)
+    path = dump_model(
+        Wrapped().eval(), _inputs(torch.randn(2, 4)), tmp_path / "d.safetensors", stats_only=True
+    )
     dump = load_dump(path)
     assert dump.stored == [] and set(dump.stats) == {"inner.0"}
     assert dump.metadata["stats_only"] == "true"

@@ -19,7 +19,9 @@ NAMES = [
 
 
 def test_depth_counts_dotted_parts():
-    assert [module_depth(n) for n in ("", "encoder", "encoder.layer.9", "encoder.layer.9.output")] == [
+    assert [
+        module_depth(n) for n in ("", "encoder", "encoder.layer.9", "encoder.layer.9.output")
+    ] == [
         0,
         1,
         3,
@@ -37,8 +39,13 @@ def test_include_exclude_globs():
     picked = select_names(NAMES, Selection(include=("encoder.layer.9.*",)))
     assert picked == ["encoder.layer.9.output", "encoder.layer.9.output.dense"]
     picked = select_names(NAMES, Selection(include=("encoder.*",), exclude=("*.dense",)))
-    assert picked == ["encoder.layer", "encoder.layer.0", "encoder.layer.0.output", "encoder.layer.9",
-                      "encoder.layer.9.output"]
+    assert picked == [
+        "encoder.layer",
+        "encoder.layer.0",
+        "encoder.layer.0.output",
+        "encoder.layer.9",
+        "encoder.layer.9.output",
+    ]
     assert select_names(NAMES, Selection(depth=3, include=("encoder.*",))) == [
         "encoder.layer",
         "encoder.layer.0",

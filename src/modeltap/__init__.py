@@ -31,7 +31,25 @@ _EXPORTS = {
     "ModeltapError": "modeltap.errors",
 }
 
-__all__ = ["__version__", "capture", *_EXPORTS]
+__all__ = [
+    "Captured",
+    "Dump",
+    "DumpWriter",
+    "Inputs",
+    "ModeltapError",
+    "Selection",
+    "TensorStats",
+    "__version__",
+    "capture",
+    "dump_model",
+    "file_inputs",
+    "hooks",
+    "load_dump",
+    "load_model",
+    "select_modules",
+    "tensor_stats",
+    "text_inputs",
+]
 
 if TYPE_CHECKING:
     from modeltap.capture import Captured, hooks

@@ -6,8 +6,9 @@ value that is not a tensor. Sinks decide what to keep: `MemorySink` keeps tensor
 `dump.DumpWriter` computes statistics and streams them to disk.
 
 Keys: `module` for a module whose output is one tensor; `module:part` for a part of a structured
-output (tuple index, dict or ModelOutput field, joined by dots); `module@N` for the N-th extra call of a
-module called more than once in one forward (first call has no suffix); `module:in.X` for inputs.
+output (tuple index, dict or ModelOutput field, joined by dots); `module@N` for the N-th extra call
+of a module called more than once in one forward (the first call has no suffix); `module:in.X`
+for inputs.
 """
 
 from __future__ import annotations

@@ -140,7 +140,9 @@ def dump(
     trust_remote_code: TrustOpt = None,
     dtype: Annotated[DType | None, typer.Option(help="Model dtype [default: float32].")] = None,
     device: Annotated[Device | None, typer.Option(help="Where to run [default: cpu].")] = None,
-    seed: Annotated[int | None, typer.Option(help="torch seed set before the run [default: 0].")] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="torch seed set before the run [default: 0].")
+    ] = None,
     train_mode: Annotated[
         bool | None, typer.Option("--train-mode/--eval-mode", help="Keep dropout etc. active.")
     ] = None,
@@ -173,8 +175,8 @@ def dump(
         train_mode=train_mode,
         dead_threshold=dead_threshold,
     )
-    from modeltap.run import default_out
     from modeltap.dump import check_writable
+    from modeltap.run import default_out
 
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")

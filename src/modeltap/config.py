@@ -1,4 +1,6 @@
-"""Settings, merged: defaults < --config FILE < ./modeltap.toml or [tool.modeltap] < MODELTAP_* < flags.
+"""Settings, merged in this order, later wins:
+
+defaults < --config FILE < ./modeltap.toml or [tool.modeltap] < MODELTAP_* env < flags.
 
 A TOML file holds keys for every command at its top level and per-command keys in a table named
 after the command (`[dump]`), which win over the top level.
@@ -80,7 +82,8 @@ def _check(values: Mapping[str, Any], where: str) -> dict[str, Any]:
             ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
         if not ok:
             raise InputError(
-                f"{where}: '{key}' must be {'a list of strings' if expected is list else expected.__name__}"
+                f"{where}: '{key}' must be "
+                f"{'a list of strings' if expected is list else expected.__name__}"
                 f", got {value!r}"
             )
         checked[name] = value

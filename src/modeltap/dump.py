@@ -1,6 +1,6 @@
 """The dump format: a safetensors file written as the model runs, atomically, and its lazy reader.
 
-Layout: the usual safetensors header (8-byte little-endian length, JSON) followed by the tensor bytes.
+Layout: the usual safetensors header (8-byte little-endian length, JSON), then the tensor bytes.
 The writer reserves header space up front, padded with spaces as the format allows, and appends each
 distinct tensor as its module returns, so memory does not grow with the number of captured layers.
 If the final header does not fit the reservation, the data is moved once behind a larger header.
@@ -140,7 +140,9 @@ class DumpWriter:
             return
         dtype = _DTYPES.get(self.stats[key].dtype)
         if dtype is None:
-            raise InputError(f"can't store '{key}' of dtype {self.stats[key].dtype}; use --stats-only")
+            raise InputError(
+                f"can't store '{key}' of dtype {self.stats[key].dtype}; use --stats-only"
+            )
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(_byte_dtype())
         size = data.numel()
         if size:
@@ -288,4 +290,3 @@ def load_dump(path: str | os.PathLike[str]) -> Dump:
     except (ValueError, TypeError) as exc:
         raise DumpFormatError(f"'{p}' has corrupt modeltap metadata ({exc}); re-create it") from exc
     return dump
-

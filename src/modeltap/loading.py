@@ -68,10 +68,14 @@ class Loaded:
 
 
 def looks_like_path(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep in name.replace("/", "")
+    return (
+        name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep in name.replace("/", "")
+    )
 
 
-def resolve_model(name: str, *, revision: str | None = None, trust_remote_code: bool = False) -> ModelSource:
+def resolve_model(
+    name: str, *, revision: str | None = None, trust_remote_code: bool = False
+) -> ModelSource:
     """A local folder with config.json, or a Hub id resolved through the standard HF cache."""
     path = Path(name).expanduser()
     if path.exists():
@@ -107,7 +111,9 @@ def _from_hub(repo_id: str, revision: str | None, trust_remote_code: bool) -> Mo
             f"'{repo_id}' is neither a folder nor a valid Hugging Face id; check the spelling"
         ) from exc
     except hub_errors.RevisionNotFoundError as exc:
-        raise InputError(f"model '{repo_id}' has no revision '{revision}'; check --revision") from exc
+        raise InputError(
+            f"model '{repo_id}' has no revision '{revision}'; check --revision"
+        ) from exc
     except hub_errors.GatedRepoError as exc:
         raise InputError(
             f"model '{repo_id}' is gated; accept its terms on the Hub and log in (`hf auth login`)"
@@ -227,7 +233,10 @@ def load_tokenizer(path: str | os.PathLike[str], *, trust_remote_code: bool = Fa
         raise InputError(
             f"no tokenizer at '{path}'; pass --tokenizer, or give tensors with --input-file"
         ) from exc
-    if tokenizer is None or isinstance(tokenizer, bool):
+    # transformers 5 builds a tokenizer of special tokens only when a folder has no vocabulary:
+    # every word would become [UNK] without a word of warning.
+    specials = set(getattr(tokenizer, "all_special_tokens", []))
+    if tokenizer is None or len(set(tokenizer.get_vocab()) - specials) == 0:
         raise InputError(f"no tokenizer at '{path}'; pass --tokenizer, or give --input-file")
     return tokenizer
 
@@ -306,14 +315,14 @@ def file_inputs(path: str | os.PathLike[str]) -> Inputs:
     if isinstance(loaded, torch.Tensor):
         description["tensors"] = {"0": list(loaded.shape)}
         return Inputs((loaded,), {}, description)
-    if isinstance(loaded, dict) and loaded and all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()
+    if (
+        isinstance(loaded, dict)
+        and loaded
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items())
     ):
         description["tensors"] = {k: list(v.shape) for k, v in loaded.items()}
         return Inputs((), dict(loaded), description)
-    raise InputError(
-        f"input file '{p.name}' must hold one tensor or a mapping of names to tensors"
-    )
+    raise InputError(f"input file '{p.name}' must hold one tensor or a mapping of names to tensors")
 
 
 def check_forward_names(model: nn.Module, inputs: Inputs) -> None:
@@ -384,4 +393,3 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-

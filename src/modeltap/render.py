@@ -87,9 +87,7 @@ def _relative(name: str, parent: str | None) -> str:
     return name[len(parent) + 1 :]
 
 
-def _walk(
-    nodes: list[_Node], parent: str | None, prefix: str
-) -> Iterable[tuple[str, str | None]]:
+def _walk(nodes: list[_Node], parent: str | None, prefix: str) -> Iterable[tuple[str, str | None]]:
     """(tree-guided label, key or None for a branch without its own row) in display order."""
     for i, node in enumerate(nodes):
         last = i == len(nodes) - 1
@@ -109,7 +107,14 @@ def _walk(
 def dump_table(dump: Dump, *, width: int = 80) -> Table:
     """The tree of captured tensors with their statistics, as wide as `width` allows."""
     wide = width >= WIDE
-    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", padding=(0, 1), collapse_padding=True)
+    table = Table(
+        box=None,
+        pad_edge=False,
+        show_edge=False,
+        header_style="bold",
+        padding=(0, 1),
+        collapse_padding=True,
+    )
     table.add_column("module", no_wrap=True, overflow="ellipsis")
     table.add_column("shape", justify="right")
     if wide:
@@ -152,7 +157,9 @@ def _stats_cells(
         cells += [Text(fmt(v), style=style) for v in (stats.std, stats.min, stats.max)]
     else:
         cells.append(Text(fmt(stats.absmax), style=style))
-    cells.append(Text(f"{stats.nan}/{stats.inf}" if bad else "0", style="bold red" if bad else style))
+    cells.append(
+        Text(f"{stats.nan}/{stats.inf}" if bad else "0", style="bold red" if bad else style)
+    )
     cells.append(_dead_cell(stats, wide=wide, style=style))
     if wide:
         cells.append(Text(alias_of or "", style="dim"))
@@ -206,7 +213,9 @@ def dump_json(dump: Dump) -> dict[str, Any]:
         if stats is not None:
             entry.update(stats.to_json())
         tensors.append(entry)
-    header = {k: meta[k] for k in ("model", "model_class", "revision", "dtype", "device") if k in meta}
+    header = {
+        k: meta[k] for k in ("model", "model_class", "revision", "dtype", "device") if k in meta
+    }
     for k in ("inputs", "selection", "skipped"):
         if k in meta:
             header[k] = json.loads(meta[k])
@@ -228,4 +237,3 @@ def module_table(model: nn.Module, names: Sequence[str]) -> Table:
         params = sum(p.numel() for p in module.parameters())
         table.add_row(label, type(module).__name__, f"{params:,}")
     return table
-

@@ -1,8 +1,8 @@
 """Per-tensor statistics: norms, moments, extremes, NaN/Inf counts and dead units.
 
-Everything is accumulated in float64 from float32-or-wider pieces, so a bfloat16 tensor gets the same
-trustworthy numbers as a float32 one. float32/float64 tensors are read in place; narrower or integer
-tensors are converted a bounded chunk at a time, never as one full copy.
+Everything is accumulated in float64 from float32-or-wider pieces, so a bfloat16 tensor gets the
+same trustworthy numbers as a float32 one. float32/float64 tensors are read in place; narrower
+or integer tensors are converted a bounded chunk at a time, never as one full copy.
 """
 
 from __future__ import annotations
@@ -88,9 +88,9 @@ def tensor_stats(
 ) -> TensorStats:
     """Statistics of `tensor`.
 
-    Dead units: for a tensor with 2 or more dims a unit is one index of the last dim; it is dead when
-    its value is <= `dead_threshold` at every position of the other dims. `row_mask` (bool, the shape
-    of the tensor's first two dims, e.g. an attention mask) leaves padded positions out of that test.
+    Dead units: for a tensor with 2 or more dims a unit is one index of the last dim; it is dead
+    when its value is <= `dead_threshold` at every position of the other dims. `row_mask` (bool,
+    the shape of the tensor's first two dims, e.g. an attention mask) leaves padded positions out.
     """
     import torch
 
@@ -126,7 +126,7 @@ def tensor_stats(
             cmin, cmax = torch.aminmax(chunk)
             lo, hi = min(lo, float(cmin)), max(hi, float(cmax))
         else:
-            # NaN/Inf present (or float32 overflowed): count them, take moments of the finite values.
+            # NaN/Inf present (or float32 overflowed): count them; moments of the finite values.
             is_nan, is_inf = torch.isnan(chunk), torch.isinf(chunk)
             nan += int(is_nan.sum())
             inf += int(is_inf.sum())
@@ -148,7 +148,7 @@ def tensor_stats(
     result: dict[str, Any] = dict(base, nan=nan, inf=inf)
     if moments.n:
         std = math.sqrt(moments.m2 / (moments.n - 1)) if moments.n > 1 else 0.0
-        # Both terms are non-negative, so the norm needs no extra pass and loses nothing to cancellation.
+        # Both terms are >= 0: the norm needs no extra pass and loses nothing to cancellation.
         norm = math.sqrt(moments.m2 + moments.n * moments.mean * moments.mean)
         result.update(norm=norm, mean=moments.mean, std=std, min=lo, max=hi)
     if count_zeros:

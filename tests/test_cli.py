@@ -1,0 +1,181 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from modeltap.cli import app
+from modeltap.dump import load_dump
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_clean_error(result, pattern, tmp_path=None):
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert pattern in lines[0]
+    assert "Traceback" not in result.output
+    if tmp_path is not None:
+        assert not list(tmp_path.glob("*.safetensors*")) and not list(tmp_path.glob(".*tmp"))
+
+
+def test_dump_then_show_render_the_same_tree(bert_dir, tmp_path):
+    result = invoke("dump", bert_dir, "hello world", "the quick brown fox", "-o", "run.safetensors")
+    assert result.exit_code == 0, result.output
+    assert "encoder" in result.stdout and "layer.1" in result.stdout
+    shown = invoke("show", "run.safetensors")
+    assert shown.exit_code == 0
+    assert shown.stdout == result.stdout
+    dump = load_dump(tmp_path / "run.safetensors")
+    assert json.loads(dump.metadata["inputs"])["texts"] == ["hello world", "the quick brown fox"]
+    assert dump.metadata["model_class"] == "BertModel"
+
+
+def test_dump_selection_and_default_name(bert_dir, tmp_path):
+    result = invoke("dump", bert_dir, "hello", "--include", "encoder.layer.1.*", "--depth", "4")
+    assert result.exit_code == 0, result.output
+    written = load_dump(tmp_path / f"{bert_dir.name}.dump.safetensors")
+    modules = {k.split(":")[0] for k in written.keys()}
+    assert modules == {
+        "encoder.layer.1.attention",
+        "encoder.layer.1.intermediate",
+        "encoder.layer.1.output",
+    }
+
+
+def test_json_goes_to_stdout_alone(bert_dir, tmp_path):
+    result = invoke("dump", bert_dir, "hello", "--json", "--depth", "1", "-o", "d.safetensors")
+    assert result.exit_code == 0
+    report = json.loads(result.stdout)
+    keys = [t["key"] for t in report["tensors"]]
+    assert "embeddings" in keys and "__root__:last_hidden_state" in keys
+    emb = next(t for t in report["tensors"] if t["key"] == "embeddings")
+    stored = load_file(tmp_path / "d.safetensors")["embeddings"].double()
+    assert emb["norm"] == pytest.approx(float(stored.norm()), rel=1e-6)
+
+
+def test_input_file_and_inputs_capture(bert_dir, tmp_path):
+    save_file({"input_ids": torch.tensor([[2, 10, 11, 3]])}, tmp_path / "in.safetensors")
+    result = invoke(
+        "dump",
+        bert_dir,
+        "--input-file",
+        "in.safetensors",
+        "--inputs",
+        "--include",
+        "encoder",
+        "-o",
+        "d.safetensors",
+    )
+    assert result.exit_code == 0, result.output
+    dump = load_dump(tmp_path / "d.safetensors")
+    assert "encoder:in.0" in dump and "encoder:last_hidden_state" in dump
+    assert json.loads(dump.metadata["inputs"])["file"] == "in.safetensors"
+
+
+def test_model_and_text_from_project_file(bert_dir, tmp_path):
+    (tmp_path / "modeltap.toml").write_text(
+        f'model = "{bert_dir}"\ntexts = ["hello"]\nout = "cfg.safetensors"\n[dump]\ndepth = 1\n'
+    )
+    result = invoke("dump")
+    assert result.exit_code == 0, result.output
+    assert {k.split(":")[0] for k in load_dump(tmp_path / "cfg.safetensors").keys()} == {
+        "__root__",
+        "embeddings",
+        "encoder",
+        "pooler",
+    }
+
+
+def test_stats_only_flag(bert_dir, tmp_path):
+    result = invoke("dump", bert_dir, "hello", "--stats-only", "-o", "s.safetensors")
+    assert result.exit_code == 0
+    assert load_file(tmp_path / "s.safetensors") == {}
+    assert "statistics only" in result.stdout
+
+
+def test_ls_lists_modules_without_weights(bert_dir):
+    result = invoke("ls", bert_dir, "--depth", "3")
+    assert result.exit_code == 0, result.output
+    assert "ModuleList" in result.stdout and result.stdout.count("BertLayer") == 2
+    assert "intermediate" not in result.stdout
+
+
+def test_show_plain_safetensors(tmp_path):
+    save_file({"w": torch.tensor([[3.0, 4.0]])}, tmp_path / "plain.safetensors")
+    result = invoke("show", "plain.safetensors", "--json")
+    assert result.exit_code == 0
+    (entry,) = json.loads(result.stdout)["tensors"]
+    assert entry["key"] == "w" and entry["norm"] == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["./missing-model", "hi"], "no folder './missing-model'"),
+        (["{empty}", "hi"], "has no config.json"),
+        (["{bare}", "hi"], "no tokenizer"),
+        (["{bert}"], "nothing to run on"),
+        (["{bert}", "--input-file", "absent.safetensors"], "no input file"),
+        (["{bert}", "--input-file", "{garbage}"], "can't read input file"),
+        (["{bert}", "--input-file", "{misnamed}"], "input 'input_idz'"),
+        (["{bert}", "hi", "--include", "encoder.layr.0"], "did you mean 'encoder.layer.0'"),
+        (["{bert}", "hi", "--include", "decoder.*"], "matches no module"),
+        (["{bert}", "hi", "-o", "no/such/dir/d.safetensors"], "does not exist"),
+        (["{bert}", "hi", "--model-class", "AutoNope"], "not a transformers model class"),
+        (["org/not-cached", "hi"], "not in the Hugging Face cache"),
+        ([], "no MODEL given"),
+    ],
+)
+def test_dump_errors_are_one_clean_line(args, message, bert_dir, tmp_path, monkeypatch):
+    import huggingface_hub.constants as constants
+
+    from tests.fixtures.hf import build_bert
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    (tmp_path / "empty").mkdir()
+    save_file({"input_idz": torch.tensor([[1, 2]])}, tmp_path / "mis.safetensors")
+    (tmp_path / "garbage.safetensors").write_bytes(b"garbage")
+    names = {
+        "{bert}": str(bert_dir),
+        "{empty}": str(tmp_path / "empty"),
+        "{garbage}": "garbage.safetensors",
+        "{misnamed}": "mis.safetensors",
+    }
+    if "{bare}" in args:
+        names["{bare}"] = str(build_bert(tmp_path / "bare", with_tokenizer=False))
+    before = set(tmp_path.iterdir())
+    result = invoke("dump", *[names.get(a, a) for a in args])
+    assert_clean_error(result, message)
+    new = {p for p in set(tmp_path.iterdir()) - before if p.name != "bare"}
+    assert not new, f"left files behind: {new}"
+
+
+def test_show_errors(tmp_path):
+    (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 3)
+    assert_clean_error(invoke("show", "junk.safetensors"), "not a readable safetensors file")
+    assert_clean_error(invoke("show", "absent.safetensors"), "no file")
+
+
+def test_debug_env_shows_the_traceback(monkeypatch):
+    monkeypatch.setenv("MODELTAP_DEBUG", "1")
+    result = invoke("show", "absent.safetensors")
+    assert result.exit_code != 0 and result.exception is not None
+
+
+def test_help_does_not_import_torch():
+    code = "import sys; from modeltap.cli import app; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    help_run = subprocess.run(
+        [sys.executable, "-m", "modeltap", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "dump" in help_run.stdout

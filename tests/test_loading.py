@@ -1,0 +1,141 @@
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from modeltap.errors import InputError
+from modeltap.loading import (
+    add_decoder_inputs,
+    check_forward_names,
+    file_inputs,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+    text_inputs,
+)
+from tests.fixtures.hf import hf_cache
+
+
+@pytest.fixture
+def offline_cache(tmp_path, bert_dir, monkeypatch):
+    """tiny-bert published as 'org/tiny-bert' in a Hugging Face cache, Hub offline."""
+    import huggingface_hub.constants as constants
+
+    home = hf_cache(tmp_path / "hf", "org/tiny-bert", bert_dir, commit="a" * 40)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return home
+
+
+def test_hub_id_resolves_through_the_cache(offline_cache, bert_dir):
+    source = resolve_model("org/tiny-bert")
+    assert source.revision == "a" * 40
+    assert (source.path / "config.json").read_text() == (bert_dir / "config.json").read_text()
+    loaded = load_model("org/tiny-bert")
+    assert loaded.model_class == "BertModel" and not loaded.model.training
+
+
+def test_uncached_hub_id_offline_says_what_to_do(offline_cache):
+    with pytest.raises(InputError, match="not in the Hugging Face cache"):
+        resolve_model("org/absent")
+
+
+def test_local_folder_errors(tmp_path):
+    with pytest.raises(InputError, match="no folder './missing'"):
+        resolve_model("./missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="has no config.json"):
+        resolve_model(str(tmp_path / "empty"))
+    (tmp_path / "f.bin").write_bytes(b"x")
+    with pytest.raises(InputError, match="is a file"):
+        resolve_model(str(tmp_path / "f.bin"))
+
+
+def test_bad_model_class(bert_dir):
+    with pytest.raises(InputError, match="not a transformers model class"):
+        load_model(str(bert_dir), model_class_name="AutoNope")
+
+
+def test_no_tokenizer(tmp_path):
+    from tests.fixtures.hf import build_bert
+
+    folder = build_bert(tmp_path / "bare", with_tokenizer=False)
+    with pytest.raises(InputError, match="no tokenizer"):
+        load_tokenizer(folder)
+
+
+def test_texts_become_a_padded_batch(bert_dir):
+    tok = load_tokenizer(bert_dir)
+    inputs = text_inputs(tok, ["hello", "the quick brown fox"])
+    mask = inputs.kwargs["attention_mask"]
+    assert mask.shape[0] == 2 and mask[0].sum() < mask[1].sum()
+    assert inputs.description["texts"] == ["hello", "the quick brown fox"]
+
+
+def test_gpt2_gets_a_pad_token_for_batches(gpt2_dir):
+    tok = load_tokenizer(gpt2_dir)
+    inputs = text_inputs(tok, ["hello", "hello world again"])
+    assert inputs.description["pad_token"] == "eos_token"
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz", ".pt"])
+def test_named_tensor_files(tmp_path, suffix):
+    ids = torch.tensor([[2, 5, 6, 3]])
+    path = tmp_path / f"in{suffix}"
+    if suffix == ".safetensors":
+        save_file({"input_ids": ids}, path)
+    elif suffix == ".npz":
+        np.savez(path, input_ids=ids.numpy())
+    else:
+        torch.save({"input_ids": ids}, path)
+    inputs = file_inputs(path)
+    assert torch.equal(inputs.kwargs["input_ids"], ids)
+    assert inputs.description["file"] == path.name and len(inputs.description["sha256"]) == 64
+
+
+def test_single_unnamed_tensor_is_positional(tmp_path):
+    np.save(tmp_path / "x.npy", np.ones((2, 3), dtype=np.float32))
+    inputs = file_inputs(tmp_path / "x.npy")
+    assert inputs.kwargs == {} and inputs.args[0].shape == (2, 3)
+
+
+def test_pickles_are_never_unpickled(tmp_path):
+    from tests.fixtures.models import Evil
+
+    torch.save({"input_ids": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(InputError, match="can't read input file"):
+        file_inputs(tmp_path / "evil.pt")
+
+
+def test_bad_input_files(tmp_path):
+    with pytest.raises(InputError, match="no input file"):
+        file_inputs(tmp_path / "absent.safetensors")
+    (tmp_path / "x.csv").write_text("1,2")
+    with pytest.raises(InputError, match="unknown type"):
+        file_inputs(tmp_path / "x.csv")
+    (tmp_path / "bad.safetensors").write_bytes(b"garbage")
+    with pytest.raises(InputError, match="can't read input file"):
+        file_inputs(tmp_path / "bad.safetensors")
+
+
+def test_wrong_input_names_name_the_right_ones(tmp_path, bert_dir):
+    model = load_model(str(bert_dir)).model
+    save_file({"input_idz": torch.tensor([[1, 2]])}, tmp_path / "in.safetensors")
+    with pytest.raises(InputError, match="did you mean 'input_ids'|one of: input_ids"):
+        check_forward_names(model, file_inputs(tmp_path / "in.safetensors"))
+
+
+def test_encoder_decoder_gets_decoder_start(t5_dir):
+    model = load_model(str(t5_dir)).model
+    inputs = file_inputs_from({"input_ids": torch.tensor([[4, 5, 6], [7, 8, 9]])})
+    completed = add_decoder_inputs(model, inputs)
+    assert completed.kwargs["decoder_input_ids"].tolist() == [[0], [0]]
+    with torch.no_grad():
+        model(**completed.kwargs)  # runs
+
+
+def file_inputs_from(tensors):
+    from modeltap.loading import Inputs
+
+    return Inputs((), tensors, {})
