@@ -93,6 +93,9 @@ class Recorder:
 
         call = self._calls.get((module, is_input), 0)
         self._calls[(module, is_input)] = call + 1
+        if not is_input and isinstance(value, torch.Tensor):  # the common case, kept cheap
+            self._tensor(make_key(module, call), value)
+            return
         for path, leaf in flatten(value):
             part = _join(INPUT_PART, path) if is_input else path
             key = make_key(module, call, part)
@@ -105,7 +108,18 @@ class Recorder:
 
     def _tensor(self, key: str, tensor: torch.Tensor) -> None:
         self.order.append(key)
-        fingerprint = _fingerprint(tensor)
+        try:
+            # data_ptr() already includes the storage offset.
+            fingerprint: tuple[Any, ...] = (
+                tensor.data_ptr(),
+                tensor.shape,
+                tensor.stride(),
+                tensor.dtype,
+                tensor.device,
+                tensor._version,
+            )
+        except RuntimeError:  # sparse and other layouts without one data pointer
+            fingerprint = (id(tensor), tensor._version)
         seen = self._seen.get(fingerprint)
         # A dead weak reference means the memory was freed and reused: a different tensor.
         if seen is not None and seen[0]() is not None:
@@ -114,15 +128,6 @@ class Recorder:
             return
         self._seen[fingerprint] = (weakref.ref(tensor), key)
         self.sink.tensor(key, tensor)
-
-
-def _fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
-    import torch
-
-    if t.layout != torch.strided:
-        return (id(t), t._version)
-    storage = t.untyped_storage().data_ptr()
-    return (storage, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
 
 
 @contextmanager
@@ -139,15 +144,19 @@ def hooks(
     The model is put in eval mode (unless `train_mode`) and every hook is removed and `training`
     restored in `finally`, so a model that went through here behaves exactly as before.
     """
-    by_name = {(n or ROOT): m for n, m in model.named_modules()}
+    named = list(model.named_modules())
+    by_name = {(n or ROOT): m for n, m in named}
     missing = [n for n in modules if n not in by_name]
     if missing:
         raise SelectionError(unknown_name_message(missing[0], by_name))
     recorder = Recorder(sink)
     handles = []
-    was_training = {m: m.training for m in model.modules()}
+    # Only touch `training` when some module differs: Module.__setattr__ is slow enough to show
+    # on small models, and a model already in the right mode needs nothing.
+    was_training = {m: m.training for _, m in named if m.training != train_mode}
     try:
-        model.train(train_mode)
+        if was_training:
+            model.train(train_mode)
         for name in modules:
             module = by_name[name]
             handles.append(module.register_forward_hook(_output_hook(recorder, name)))
@@ -159,8 +168,11 @@ def hooks(
     finally:
         for handle in handles:
             handle.remove()
-        for module, training in was_training.items():
-            module.training = training
+        for _, module in named:
+            # train() may be overridden to leave some modules alone: restore each one as it was.
+            training = was_training.get(module, train_mode)
+            if module.training != training:
+                module.training = training
 
 
 def _output_hook(recorder: Recorder, name: str) -> Callable[..., None]:

@@ -107,7 +107,7 @@ def tensor_stats(
     rows = x.reshape(-1, units)
     keep_rows = _rows_to_keep(x, row_mask)
     in_place = x.dtype in (torch.float32, torch.float64)
-    step = rows.shape[0] if in_place else max(1, CHUNK_ELEMENTS // max(units, 1))
+    step = max(1, CHUNK_ELEMENTS // units)
 
     moments = _Moments()
     lo, hi = math.inf, -math.inf
@@ -120,7 +120,7 @@ def tensor_stats(
         count = chunk.numel()
         # Two passes with torch's cascade summation: accurate to ~1e-8 and 10x faster than Welford.
         mean = float(chunk.sum()) / count
-        m2 = float((chunk - mean).square_().sum()) if math.isfinite(mean) else math.nan
+        m2 = _centered_square_sum(chunk, mean) if math.isfinite(mean) else math.nan
         if math.isfinite(m2):
             moments.add(count, mean, m2)
             cmin, cmax = torch.aminmax(chunk)
@@ -157,6 +157,26 @@ def tensor_stats(
         dead = units if unit_max is None else int((unit_max <= dead_threshold).sum())
         result.update(units=units, dead=dead)
     return TensorStats(**result)
+
+
+# One reusable buffer per (dtype, device) for the centred pass: a fresh temporary per tensor costs
+# more in page faults than the arithmetic itself.
+_SCRATCH: dict[tuple[Any, Any], torch.Tensor] = {}
+
+
+def _centered_square_sum(chunk: torch.Tensor, mean: float) -> float:
+    import torch
+
+    count = chunk.numel()
+    if count > CHUNK_ELEMENTS:
+        return float((chunk - mean).square_().sum())
+    key = (chunk.dtype, chunk.device)
+    buffer = _SCRATCH.get(key)
+    if buffer is None or buffer.numel() < CHUNK_ELEMENTS:
+        buffer = _SCRATCH[key] = torch.empty(CHUNK_ELEMENTS, dtype=chunk.dtype, device=chunk.device)
+    out = buffer[:count].view(chunk.shape)
+    torch.sub(chunk, mean, out=out)
+    return float(out.square_().sum())
 
 
 def _rows_to_keep(x: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tensor | None:
