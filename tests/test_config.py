@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from modeltap.config import load_settings
@@ -46,10 +48,19 @@ def test_bad_settings_name_the_fix(tmp_path):
 
 
 def test_shipped_presets_load(tmp_path):
-    from pathlib import Path
-
     configs = Path(__file__).resolve().parent.parent / "configs"
-    presets = sorted(configs.glob("*.toml"))
+    presets = sorted(p for p in configs.glob("*.toml") if p.name != "tolerances.toml")
     assert presets
     for preset in presets:
         load_settings("dump", config_file=preset, cwd=tmp_path, env={})
+
+
+def test_every_tolerance_preset_loads(tmp_path):
+    from modeltap.config import read_toml, tolerance_preset
+
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    names = list(read_toml(configs / "tolerances.toml"))
+    assert {"exact", "fp32", "tf32", "bf16", "fp16", "cross-device"} <= set(names)
+    assert tolerance_preset("exact", cwd=tmp_path) == {"atol": 0.0, "rtol": 0.0}
+    for name in names:
+        assert set(tolerance_preset(name, cwd=tmp_path)) == {"atol", "rtol"}

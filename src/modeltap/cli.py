@@ -317,5 +317,103 @@ def list_modules(
     _stdout().print(module_table(meta_model, names))
 
 
+@app.command("diff")
+@handle_errors
+def diff_command(
+    a: Annotated[Path, typer.Argument(help="Reference dump (B is compared against it).")],
+    b: Annotated[Path, typer.Argument(help="Candidate dump.")],
+    atol: Annotated[float | None, typer.Option(help="Absolute tolerance [default: 1e-8].")] = None,
+    rtol: Annotated[float | None, typer.Option(help="Relative tolerance [default: 1e-5].")] = None,
+    preset: Annotated[
+        str | None,
+        typer.Option(help="Tolerances from configs/tolerances.toml: exact, fp32, tf32, bf16..."),
+    ] = None,
+    map_: Annotated[
+        list[str] | None,
+        typer.Option("--map", help="Rename A's keys to B's: OLD=NEW globs ('bert.*=*')."),
+    ] = None,
+    include: Annotated[list[str] | None, typer.Option("--include", "-i", help="Key glob.")] = None,
+    exclude: ExcludeOpt = None,
+    equal_nan: Annotated[
+        bool | None, typer.Option("--equal-nan/--nan-differs", help="Count NaN == NaN as equal.")
+    ] = None,
+    upcast: Annotated[
+        bool | None,
+        typer.Option(
+            "--upcast/--no-upcast", help="Compare tensors of different dtypes in float64."
+        ),
+    ] = None,
+    strict: Annotated[
+        bool | None, typer.Option("--strict/--lenient", help="Keys on one side only fail too.")
+    ] = None,
+    show_all: Annotated[bool, typer.Option("--all", help="List every pair, in order.")] = False,
+    json_out: JsonOpt = False,
+    junit: Annotated[
+        Path | None, typer.Option(help="Also write JUnit XML, one test case per tensor.")
+    ] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Compare two dumps; exit 0 when every tensor is within tolerance, 1 when not."""
+    from modeltap.config import tolerance_preset
+    from modeltap.diff import Tolerance, diff_dumps, junit_xml
+    from modeltap.dump import check_writable
+
+    s = _settings(
+        "diff",
+        config,
+        preset=preset,
+        map=map_ or [],
+        include=include or [],
+        exclude=exclude or [],
+        equal_nan=equal_nan,
+        upcast=upcast,
+        strict=strict,
+    )
+    # Precedence for tolerances: settings files and env < preset < --atol/--rtol.
+    values = {"atol": s.atol, "rtol": s.rtol}
+    if s.preset:
+        values.update(tolerance_preset(s.preset))
+    values.update({k: v for k, v in {"atol": atol, "rtol": rtol}.items() if v is not None})
+    if values["atol"] < 0 or values["rtol"] < 0:
+        raise InputError("--atol and --rtol must be 0 or more")
+    if junit is not None:
+        check_writable(junit)
+    overrides = [(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()]
+    report = diff_dumps(
+        a,
+        b,
+        tolerance=Tolerance(**values),
+        overrides=overrides,
+        rename=s.map,
+        include=s.include,
+        exclude=s.exclude,
+        equal_nan=s.equal_nan,
+        upcast=s.upcast,
+        strict=s.strict,
+    )
+    if junit is not None:
+        _write_atomically(junit, junit_xml(report))
+    if json_out:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        from modeltap.render import diff_heading, diff_table
+
+        console = _stdout()
+        console.print(diff_heading(report))
+        table = diff_table(report, show_all=show_all)
+        if table.row_count:
+            console.print(table)
+    raise typer.Exit(0 if report.passed else 1)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def main() -> None:
     app()

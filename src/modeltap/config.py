@@ -48,6 +48,15 @@ class Settings:
     seed: int = 0
     train_mode: bool = False
     dead_threshold: float = 0.0
+    # diff
+    atol: float = 1e-8
+    rtol: float = 1e-5
+    preset: str | None = None
+    overrides: dict[str, dict[str, float]] = field(default_factory=dict)
+    map: list[str] = field(default_factory=list)
+    equal_nan: bool = False
+    upcast: bool = False
+    strict: bool = False
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
@@ -63,6 +72,13 @@ _TYPES: dict[str, type] = {
     "depth": int,
     "seed": int,
     "dead_threshold": float,
+    "atol": float,
+    "rtol": float,
+    "overrides": dict,
+    "map": list,
+    "equal_nan": bool,
+    "upcast": bool,
+    "strict": bool,
 }
 
 
@@ -80,6 +96,8 @@ def _check(values: Mapping[str, Any], where: str) -> dict[str, Any]:
             ok, value = True, float(value)
         if expected is list:
             ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        if expected is dict:
+            value = _check_overrides(value, f"{where}: '{key}'")
         if not ok:
             raise InputError(
                 f"{where}: '{key}' must be "
@@ -87,6 +105,24 @@ def _check(values: Mapping[str, Any], where: str) -> dict[str, Any]:
                 f", got {value!r}"
             )
         checked[name] = value
+    return checked
+
+
+def _check_overrides(value: Any, where: str) -> dict[str, dict[str, float]]:
+    """`{glob = {atol = .., rtol = ..}}`: per-key tolerances for diff."""
+    if not isinstance(value, Mapping):
+        raise InputError(f'{where} must be a table of globs, e.g. "pooler.*" = {{ atol = 1e-3 }}')
+    checked = {}
+    for glob, tol in value.items():
+        if (
+            not isinstance(tol, Mapping)
+            or not set(tol) <= {"atol", "rtol"}
+            or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in tol.values()
+            )
+        ):
+            raise InputError(f"{where}: '{glob}' must be {{ atol = number, rtol = number }}")
+        checked[glob] = {k: float(v) for k, v in tol.items()}
     return checked
 
 
@@ -125,7 +161,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for name in _FIELDS:
         raw = env.get(f"MODELTAP_{name.upper()}")
-        if raw is None or _TYPES.get(name) is list:
+        if raw is None or _TYPES.get(name) in (list, dict):
             continue
         kind = _TYPES.get(name, str)
         try:
@@ -163,3 +199,36 @@ def load_settings(
     merged.update(_from_env(os.environ if env is None else env))
     merged.update({k: v for k, v in (flags or {}).items() if v is not None and v != []})
     return Settings(**merged)
+
+
+TOLERANCE_FILE = "tolerances.toml"
+
+
+def config_dirs(cwd: Path | None = None) -> list[Path]:
+    """Where presets are looked up: $MODELTAP_CONFIGS, ./configs, then the checkout's configs/."""
+    dirs = []
+    if os.environ.get("MODELTAP_CONFIGS"):
+        dirs.append(Path(os.environ["MODELTAP_CONFIGS"]))
+    dirs.append((cwd or Path.cwd()) / "configs")
+    dirs.append(Path(__file__).resolve().parents[2] / "configs")
+    return dirs
+
+
+def tolerance_preset(name: str, cwd: Path | None = None) -> dict[str, float]:
+    """atol/rtol of preset `name` from the first configs/tolerances.toml found."""
+    for folder in config_dirs(cwd):
+        path = folder / TOLERANCE_FILE
+        if path.is_file():
+            presets = read_toml(path)
+            if name not in presets:
+                guess = suggest(name, presets)
+                hint = (
+                    f"did you mean '{guess}'?" if guess else "choose one of " + ", ".join(presets)
+                )
+                raise InputError(f"no tolerance preset '{name}' in {path}; {hint}")
+            values = _check(presets[name], f"{path} [{name}]")
+            if not set(values) <= {"atol", "rtol"}:
+                raise InputError(f"{path} [{name}]: a preset holds only atol and rtol")
+            return values
+    where = ", ".join(str(d) for d in config_dirs(cwd))
+    raise InputError(f"no {TOLERANCE_FILE} found (looked in {where}); set MODELTAP_CONFIGS")

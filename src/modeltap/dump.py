@@ -229,11 +229,26 @@ class Dump:
     def is_modeltap(self) -> bool:
         return self.metadata.get("format") == FORMAT
 
+    @property
+    def stats_only(self) -> bool:
+        return self.metadata.get("stats_only") == "true"
+
     def keys(self) -> list[str]:
-        """Every key, aliases included: in execution order when recorded, else in file order."""
-        if self.order is not None:
+        """Every key, aliases included: in execution order when recorded, else in file order.
+
+        A file edited after modeltap wrote it stays consistent: keys whose tensor is gone are left
+        out (but in a stats-only dump, which has no data at all), tensors the order does not know
+        come last.
+        """
+        if self.order is None:
+            return [*self.stored, *self.aliases]
+        if self.stats_only:
             return list(self.order)
-        return [*self.stored, *self.aliases]
+        stored = set(self.stored)
+        known = set(self.order)
+        return [k for k in self.order if self.resolve(k) in stored] + [
+            k for k in self.stored if k not in known
+        ]
 
     def resolve(self, key: str) -> str:
         return self.aliases.get(key, key)

@@ -17,6 +17,8 @@ from modeltap.selection import ROOT
 if TYPE_CHECKING:
     from torch import nn
 
+    from modeltap.diff import DiffReport
+    from modeltap.diff import Pair as DiffPair
     from modeltap.dump import Dump
     from modeltap.stats import TensorStats
 
@@ -236,4 +238,93 @@ def module_table(model: nn.Module, names: Sequence[str]) -> Table:
             continue
         params = sum(p.numel() for p in module.parameters())
         table.add_row(label, type(module).__name__, f"{params:,}")
+    return table
+
+
+# Rows shown by `modeltap diff` without --all.
+DIFF_ROWS = 20
+
+
+def diff_heading(report: DiffReport) -> Text:
+    """Verdict, counts, metadata that differs, and the first diverging module."""
+    text = Text()
+    for change in report.metadata:
+        style = {"warning": "yellow", "error": "bold red"}.get(change.level, "dim")
+        text.append(
+            f"{change.level}: {change.key} differs: {change.a} vs {change.b}\n", style=style
+        )
+    verdict = "PASS" if report.passed else "FAIL"
+    text.append(verdict, style="bold green" if report.passed else "bold red")
+    text.append(
+        f"  {len(report.pairs)} compared, {len(report.failed)} out of tolerance "
+        f"(atol={report.tolerance.atol:g}, rtol={report.tolerance.rtol:g})"
+    )
+    if report.only_a or report.only_b:
+        text.append(f", {len(report.only_a)} only in A, {len(report.only_b)} only in B")
+        if report.strict:
+            text.append(" (--strict)")
+    first = report.first_divergence
+    if first is not None:
+        downstream = len(report.failed) - 1
+        text.append("\nfirst divergence: ", style="bold")
+        text.append(first.key, style="bold red")
+        text.append(f"  ({_diff_summary(first)})")
+        if downstream:
+            text.append(f"\n{downstream} later tensors differ downstream of it")
+    elif report.failed and not report.ordered:
+        text.append("\nno execution order in A (not a modeltap dump): worst tensors first")
+    return text
+
+
+def _diff_summary(pair: DiffPair) -> str:
+    if pair.status == "shape":
+        return f"shape {fmt_shape(pair.shape)} vs {fmt_shape(pair.other_shape or [])}"
+    if pair.status == "dtype":
+        return f"dtype {pair.dtype} vs {pair.other_dtype}"
+    return f"max abs {fmt(pair.max_abs)}, max rel {fmt(pair.max_rel)}, {pair.out_fraction:.1%} out"
+
+
+def diff_table(report: DiffReport, *, show_all: bool = False) -> Table:
+    """Worst pairs first (or every pair in execution order with `show_all`), then missing keys."""
+    first = report.first_divergence
+    if show_all:
+        rows = list(report.pairs)
+    else:
+        rows = sorted(
+            report.failed,
+            key=lambda p: (p is not first, -(p.out_fraction or 1.0), -(p.max_abs or math.inf)),
+        )[:DIFF_ROWS]
+    table = Table(
+        box=None,
+        pad_edge=False,
+        show_edge=False,
+        header_style="bold",
+        padding=(0, 1),
+        collapse_padding=True,
+    )
+    table.add_column("key", no_wrap=True, overflow="ellipsis", ratio=1)
+    table.add_column("status", no_wrap=True)
+    for name in ("max abs", "max rel", "cosine", "out"):
+        table.add_column(name, justify="right", no_wrap=True, min_width=8 if name != "out" else 6)
+    for pair in rows:
+        style = "bold red" if pair is first else ("red" if not pair.ok else "")
+        name = pair.key if pair.key == pair.other else f"{pair.key} → {pair.other}"
+        status = pair.status if pair.ok or pair.status != "differs" else "DIFFERS"
+        if pair is first:
+            status = "FIRST"
+        cosine = "-" if pair.cosine is None else f"{pair.cosine:.6f}"
+        out = "-" if pair.out_fraction is None else f"{pair.out_fraction:.1%}"
+        table.add_row(
+            Text(name, style=style),
+            Text(status, style=style),
+            fmt(pair.max_abs),
+            fmt(pair.max_rel),
+            cosine,
+            out,
+        )
+    for side, keys in (("only in A", report.only_a), ("only in B", report.only_b)):
+        for key in keys:
+            table.add_row(Text(key, style="yellow"), Text(side, style="yellow"))
+    if not show_all and len(report.failed) > len(rows):
+        table.add_row(Text(f"... {len(report.failed) - len(rows)} more (--all)", style="dim"))
     return table

@@ -1,0 +1,368 @@
+"""Compare two dumps: per-tensor verdicts and errors, the first diverging module, metadata changes.
+
+Tensors are read one pair at a time through safetensors' memory-mapped reader, so memory stays
+around the largest pair whatever the size of the dumps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from modeltap.dump import Dump, load_dump
+from modeltap.errors import DumpFormatError, InputError
+
+if TYPE_CHECKING:
+    import torch
+
+REPORT_SCHEMA = "modeltap.diff/1"
+
+# Metadata that, when it differs, usually explains why two runs differ. "warning" ones are said
+# at the top of the report; a different format is an error.
+_META_LEVELS = {
+    "format_version": "error",
+    "inputs": "warning",
+    "model": "info",
+    "revision": "info",
+    "model_class": "info",
+    "dtype": "info",
+    "device": "info",
+    "torch": "info",
+    "transformers": "info",
+    "modeltap_version": "info",
+    "seed": "info",
+    "train_mode": "info",
+    "selection": "info",
+}
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """allclose semantics, as torch: |a - b| <= atol + rtol * |b|."""
+
+    atol: float = 1e-8
+    rtol: float = 1e-5
+
+
+@dataclass
+class Pair:
+    """The comparison of one tensor of A with its match in B."""
+
+    key: str
+    other: str
+    status: str  # ok | differs | shape | dtype
+    shape: list[int]
+    dtype: str
+    other_shape: list[int] | None = None
+    other_dtype: str | None = None
+    atol: float = 0.0
+    rtol: float = 0.0
+    max_abs: float | None = None
+    mean_abs: float | None = None
+    max_rel: float | None = None
+    mean_rel: float | None = None
+    cosine: float | None = None
+    out_fraction: float | None = None
+    out_count: int | None = None
+    numel: int = 0
+    nan_mismatch: int = 0
+    aliases: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None and v != []}
+
+
+@dataclass
+class MetaChange:
+    key: str
+    a: str | None
+    b: str | None
+    level: str
+
+
+@dataclass
+class DiffReport:
+    a: Path
+    b: Path
+    tolerance: Tolerance
+    pairs: list[Pair]
+    only_a: list[str]
+    only_b: list[str]
+    metadata: list[MetaChange]
+    ordered: bool
+    strict: bool = False
+
+    @property
+    def failed(self) -> list[Pair]:
+        return [p for p in self.pairs if not p.ok]
+
+    @property
+    def first_divergence(self) -> Pair | None:
+        """The earliest pair out of tolerance in execution order (None without a recorded order)."""
+        failed = self.failed
+        return failed[0] if failed and self.ordered else None
+
+    @property
+    def passed(self) -> bool:
+        return not self.failed and not (self.strict and (self.only_a or self.only_b))
+
+    def to_json(self) -> dict[str, Any]:
+        first = self.first_divergence
+        return {
+            "schema": REPORT_SCHEMA,
+            "a": str(self.a),
+            "b": str(self.b),
+            "passed": self.passed,
+            "strict": self.strict,
+            "tolerance": asdict(self.tolerance),
+            "ordered": self.ordered,
+            "first_divergence": first.key if first else None,
+            "counts": {
+                "compared": len(self.pairs),
+                "failed": len(self.failed),
+                "only_a": len(self.only_a),
+                "only_b": len(self.only_b),
+            },
+            "metadata": [asdict(m) for m in self.metadata],
+            "pairs": [p.to_json() for p in self.pairs],
+            "only_a": self.only_a,
+            "only_b": self.only_b,
+        }
+
+
+def parse_map(rules: Sequence[str]) -> list[tuple[re.Pattern[str], str]]:
+    """`OLD=NEW` glob renames (`bert.*=*`): each `*` of OLD feeds the matching `*` of NEW."""
+    parsed = []
+    for rule in rules:
+        old, sep, new = rule.partition("=")
+        if not sep or not old:
+            raise InputError(f"--map '{rule}' is not OLD=NEW; e.g. --map 'bert.*=*'")
+        if new.count("*") > old.count("*"):
+            raise InputError(f"--map '{rule}': NEW has more '*' than OLD")
+        pattern = re.compile("".join("(.*)" if c == "*" else re.escape(c) for c in old) + r"\Z")
+        parsed.append((pattern, new))
+    return parsed
+
+
+def apply_map(key: str, rules: Sequence[tuple[re.Pattern[str], str]]) -> str:
+    for pattern, new in rules:
+        match = pattern.match(key)
+        if match:
+            pieces = new.split("*")
+            filled = zip(match.groups(), pieces[1:], strict=False)
+            return pieces[0] + "".join(group + piece for group, piece in filled)
+    return key
+
+
+def _selected(key: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
+    return (not include or any(fnmatchcase(key, p) for p in include)) and not any(
+        fnmatchcase(key, p) for p in exclude
+    )
+
+
+def _meta_changes(a: Dump, b: Dump) -> list[MetaChange]:
+    changes = []
+    if not (a.is_modeltap and b.is_modeltap):
+        return changes
+    for key, level in _META_LEVELS.items():
+        va, vb = a.metadata.get(key), b.metadata.get(key)
+        if va != vb:
+            changes.append(MetaChange(key, va, vb, level))
+    return changes
+
+
+def diff_dumps(
+    a: str | os.PathLike[str] | Dump,
+    b: str | os.PathLike[str] | Dump,
+    *,
+    tolerance: Tolerance | None = None,
+    overrides: Sequence[tuple[str, Tolerance]] = (),
+    rename: Sequence[str] = (),
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    equal_nan: bool = False,
+    upcast: bool = False,
+    strict: bool = False,
+) -> DiffReport:
+    """Compare every tensor of `a` with its match in `b` (B is the reference for rtol).
+
+    `overrides` are (glob, Tolerance) pairs on A's keys; the first match wins over `tolerance`.
+    """
+    da = a if isinstance(a, Dump) else load_dump(a)
+    db = b if isinstance(b, Dump) else load_dump(b)
+    for dump in (da, db):
+        if dump.stats_only:
+            raise InputError(
+                f"'{dump.path}' was written with --stats-only and has no tensors to compare; "
+                "dump it again without --stats-only"
+            )
+    tolerance = tolerance or Tolerance()
+    changes = _meta_changes(da, db)
+    formats = [c for c in changes if c.level == "error"]
+    if formats:
+        raise DumpFormatError(
+            f"the dumps have different format versions ({formats[0].a} vs {formats[0].b}); "
+            "re-create the older one with this modeltap"
+        )
+    rules = parse_map(rename)
+
+    keys_a = [k for k in da.keys() if _selected(k, include, exclude)]
+    mapped = {k: apply_map(k, rules) for k in keys_a}
+    keys_b = set(db.keys())
+    matched_b = {mapped[k] for k in keys_a if mapped[k] in keys_b}
+    only_a = [k for k in keys_a if mapped[k] not in keys_b]
+    only_b = [k for k in db.keys() if k not in matched_b and _selected(k, include, exclude)]
+
+    pairs: list[Pair] = []
+    done: dict[tuple[str, str], Pair] = {}
+    for key in keys_a:
+        other = mapped[key]
+        if other not in keys_b:
+            continue
+        stored = (da.resolve(key), db.resolve(other))
+        if stored in done:  # an alias on both sides: the same comparison, said once
+            done[stored].aliases.append(key)
+            continue
+        tol = next((t for glob, t in overrides if fnmatchcase(key, glob)), tolerance)
+        pair = compare(key, other, da[key], db[other], tol, equal_nan=equal_nan, upcast=upcast)
+        done[stored] = pair
+        pairs.append(pair)
+    ordered = da.order is not None
+    return DiffReport(da.path, db.path, tolerance, pairs, only_a, only_b, changes, ordered, strict)
+
+
+def compare(
+    key: str,
+    other: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    tol: Tolerance,
+    *,
+    equal_nan: bool = False,
+    upcast: bool = False,
+) -> Pair:
+    """Errors and the allclose verdict of one pair; B is the reference (rtol scales |b|)."""
+    import torch
+
+    from modeltap.stats import dtype_name
+
+    pair = Pair(key, other, "ok", list(a.shape), dtype_name(a.dtype), atol=tol.atol, rtol=tol.rtol)
+    pair.numel = a.numel()
+    if a.shape != b.shape:
+        pair.status, pair.other_shape = "shape", list(b.shape)
+        return pair
+    if a.dtype != b.dtype:
+        pair.other_dtype = dtype_name(b.dtype)
+        if not upcast:
+            pair.status = "dtype"
+            return pair
+    if a.numel() == 0:
+        return pair
+    work = torch.float64 if (a.dtype != b.dtype or a.dtype == torch.float64) else torch.float32
+    if a.is_complex() or b.is_complex():
+        work = torch.complex128
+    x, y = a.to(work), b.to(work)
+
+    diff = torch.sub(x, y).abs_()
+    scale = y.abs()
+    finite = math.isfinite(float(diff.sum()))
+    if finite:
+        out = diff > scale.mul(tol.rtol).add_(tol.atol)
+    else:
+        close = torch.isclose(x, y, rtol=tol.rtol, atol=tol.atol, equal_nan=equal_nan)
+        out = ~close
+        nan_x, nan_y = torch.isnan(x), torch.isnan(y)
+        mismatch = nan_x ^ nan_y
+        if not equal_nan:
+            mismatch |= nan_x & nan_y
+        pair.nan_mismatch = int(mismatch.sum())
+        usable = torch.isfinite(x) & torch.isfinite(y)
+        diff, scale = diff[usable], scale[usable]
+    pair.out_count = int(torch.count_nonzero(out))
+    pair.out_fraction = pair.out_count / a.numel()
+    if diff.numel():
+        pair.max_abs = float(diff.max())
+        pair.mean_abs = float(
+            diff.sum(dtype=torch.float64) if work == torch.float64 else diff.sum()
+        )
+        pair.mean_abs /= diff.numel()
+        nonzero = scale > 0
+        rel = diff[nonzero] / scale[nonzero] if not bool(nonzero.all()) else diff.div_(scale)
+        if rel.numel():
+            pair.max_rel = float(rel.max())
+            pair.mean_rel = float(rel.sum()) / rel.numel()
+        pair.cosine = _cosine(x, y) if finite else None
+    if pair.out_count:
+        pair.status = "differs"
+    return pair
+
+
+def _cosine(x: torch.Tensor, y: torch.Tensor) -> float | None:
+    """Cosine similarity from cascade-summed squares: |a-b|^2 = |a|^2 + |b|^2 - 2 a.b."""
+    import torch
+
+    nx = float(torch.square(x).sum())
+    ny = float(torch.square(y).sum())
+    if nx == 0 or ny == 0:
+        return 1.0 if nx == ny else 0.0
+    nd = float(torch.square(x - y).sum())
+    return max(-1.0, min(1.0, (nx + ny - nd) / (2 * math.sqrt(nx) * math.sqrt(ny))))
+
+
+def junit_xml(report: DiffReport) -> str:
+    """JUnit XML: one test case per compared tensor (and per missing key), metrics in failures."""
+    from xml.etree import ElementTree as ET
+
+    suite = ET.Element("testsuite", name="modeltap diff")
+    failures = skipped = 0
+    for pair in report.pairs:
+        case = ET.SubElement(
+            suite, "testcase", classname=pair.key.split(":")[0], name=pair.key, time="0"
+        )
+        if not pair.ok:
+            failures += 1
+            failure = ET.SubElement(
+                case, "failure", message=failure_message(pair), type=pair.status
+            )
+            failure.text = json.dumps(pair.to_json(), indent=1)
+    for side, keys in (("only in A", report.only_a), ("only in B", report.only_b)):
+        for key in keys:
+            case = ET.SubElement(suite, "testcase", classname=key.split(":")[0], name=key, time="0")
+            if report.strict:
+                failures += 1
+                ET.SubElement(
+                    case, "failure", message=f"{side} ({report.a} vs {report.b})", type="missing"
+                )
+            else:
+                skipped += 1
+                ET.SubElement(case, "skipped", message=side)
+    suite.set("tests", str(len(suite)))
+    suite.set("failures", str(failures))
+    suite.set("errors", "0")
+    suite.set("skipped", str(skipped))
+    return ET.tostring(suite, encoding="unicode", xml_declaration=True)
+
+
+def failure_message(pair: Pair) -> str:
+    if pair.status == "shape":
+        return f"shape {pair.shape} vs {pair.other_shape}"
+    if pair.status == "dtype":
+        return f"dtype {pair.dtype} vs {pair.other_dtype} (--upcast compares them in float64)"
+    return (
+        f"{pair.out_count} of {pair.numel} elements out of tolerance "
+        f"(atol={pair.atol:g}, rtol={pair.rtol:g}); max abs {pair.max_abs:.3g}, "
+        f"max rel {pair.max_rel if pair.max_rel is not None else float('nan'):.3g}, "
+        f"cosine {pair.cosine if pair.cosine is not None else float('nan'):.9f}"
+        + (f", {pair.nan_mismatch} NaN mismatches" if pair.nan_mismatch else "")
+    )

@@ -1,0 +1,232 @@
+import json
+from xml.etree import ElementTree as ET
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from modeltap.cli import app
+from modeltap.diff import Tolerance, compare, diff_dumps
+from modeltap.loading import Inputs
+from modeltap.run import dump_model
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, ["diff", *[str(a) for a in args]])
+
+
+def copy_with(src, dst, change):
+    """Write dst as src with `change(tensors)` applied, metadata kept: a hand-made candidate."""
+    with safe_open(str(src), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    change(tensors)
+    save_file(tensors, str(dst), metadata=meta)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def bert(bert_dir):
+    from transformers import AutoTokenizer, BertModel
+
+    model = BertModel.from_pretrained(bert_dir).eval()
+    batch = dict(AutoTokenizer.from_pretrained(bert_dir)(["hello world"], return_tensors="pt"))
+    return model, Inputs((), batch, {"texts": ["hello world"]})
+
+
+@pytest.fixture
+def ref(bert, tmp_path):
+    model, inputs = bert
+    return dump_model(model, inputs, tmp_path / "ref.safetensors")
+
+
+def test_identical_dumps_pass(ref):
+    result = invoke(ref, ref)
+    assert result.exit_code == 0, result.output
+    assert "PASS" in result.stdout
+
+
+def test_one_changed_value_fails_and_is_named(ref, tmp_path):
+    def change(t):
+        t["encoder.layer.0.intermediate.dense"][0, 1, 2] += 0.5
+
+    new = copy_with(ref, tmp_path / "new.safetensors", change)
+    result = invoke(ref, new, "--json")
+    assert result.exit_code == 1
+    report = json.loads(result.stdout)
+    assert report["first_divergence"] == "encoder.layer.0.intermediate.dense"
+    (failed,) = [p for p in report["pairs"] if p["status"] != "ok"]
+    assert failed["out_count"] == 1 and failed["max_abs"] == pytest.approx(0.5, rel=1e-5)
+
+
+def test_perturbed_weight_names_its_module_first_not_downstream(bert, ref, tmp_path):
+    model, inputs = bert
+    dense = model.encoder.layer[1].attention.output.dense
+    saved = dense.weight.detach().clone()
+    with torch.no_grad():
+        dense.weight[0, 0] += 1.0
+    try:
+        new = dump_model(model, inputs, tmp_path / "new.safetensors")
+    finally:
+        with torch.no_grad():
+            dense.weight.copy_(saved)
+    report = diff_dumps(ref, new)
+    assert not report.passed
+    assert report.first_divergence.key == "encoder.layer.1.attention.output.dense"
+    failed = [p.key for p in report.failed]
+    assert "encoder.layer.1.output.LayerNorm" in failed  # downstream, but not first
+    assert all(
+        not k.startswith("encoder.layer.0") and not k.startswith("embeddings") for k in failed
+    )
+    result = invoke(ref, new)
+    assert "first divergence: encoder.layer.1.attention.output.dense" in result.stdout
+
+
+def test_metrics_match_an_independent_computation():
+    torch.manual_seed(0)
+    b = torch.randn(50, 40)
+    a = b + torch.randn(50, 40) * 1e-3
+    pair = compare("k", "k", a, b, Tolerance(atol=1e-4, rtol=1e-3))
+    d, y = (a - b).double().abs(), b.double().abs()
+    assert pair.max_abs == pytest.approx(float(d.max()), rel=1e-6)
+    assert pair.mean_abs == pytest.approx(float(d.mean()), rel=1e-5)
+    assert pair.max_rel == pytest.approx(float((d / y).max()), rel=1e-5)
+    assert pair.mean_rel == pytest.approx(float((d / y).mean()), rel=1e-5)
+    cos = torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0)
+    assert pair.cosine == pytest.approx(float(cos), abs=1e-9)
+    expected_out = int((~torch.isclose(a, b, rtol=1e-3, atol=1e-4)).sum())
+    assert pair.out_count == expected_out and 0 < expected_out < a.numel()
+
+
+def test_nan_on_one_side_and_equal_nan(tmp_path):
+    x = torch.tensor([[1.0, float("nan")], [3.0, 4.0]])
+    save_file({"t": x}, tmp_path / "a.safetensors")
+    save_file({"t": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}, tmp_path / "b.safetensors")
+    report = diff_dumps(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    assert report.pairs[0].nan_mismatch == 1 and not report.passed
+    assert invoke(tmp_path / "a.safetensors", tmp_path / "a.safetensors").exit_code == 1
+    assert (
+        invoke(tmp_path / "a.safetensors", tmp_path / "a.safetensors", "--equal-nan").exit_code == 0
+    )
+
+
+def test_shape_and_dtype_mismatch_are_reported_not_crashes(tmp_path):
+    save_file({"s": torch.ones(2, 3), "d": torch.ones(4)}, tmp_path / "a.safetensors")
+    save_file(
+        {"s": torch.ones(3, 2), "d": torch.ones(4, dtype=torch.float64)}, tmp_path / "b.safetensors"
+    )
+    report = diff_dumps(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    assert {p.key: p.status for p in report.pairs} == {"s": "shape", "d": "dtype"}
+    upcast = diff_dumps(tmp_path / "a.safetensors", tmp_path / "b.safetensors", upcast=True)
+    assert {p.key: p.status for p in upcast.pairs} == {"s": "shape", "d": "ok"}
+    assert invoke(tmp_path / "a.safetensors", tmp_path / "b.safetensors").exit_code == 1
+
+
+def test_missing_and_extra_keys_with_and_without_strict(ref, tmp_path):
+    def change(t):
+        t.pop("pooler.dense")
+        t["extra"] = torch.zeros(2)
+
+    new = copy_with(ref, tmp_path / "new.safetensors", change)
+    lenient = invoke(ref, new, "--json")
+    report = json.loads(lenient.stdout)
+    assert lenient.exit_code == 0
+    assert "pooler.dense" in report["only_a"] and report["only_b"] == ["extra"]
+    assert invoke(ref, new, "--strict").exit_code == 1
+
+
+def test_plain_safetensors_compare_by_key_without_order(tmp_path):
+    save_file({"x": torch.ones(3), "y": torch.zeros(2)}, tmp_path / "a.safetensors")
+    save_file({"x": torch.ones(3), "y": torch.ones(2)}, tmp_path / "b.safetensors")
+    report = diff_dumps(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    assert [p.key for p in report.failed] == ["y"] and report.first_divergence is None
+    result = invoke(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    assert result.exit_code == 1 and "no execution order" in result.stdout
+
+
+def test_map_renames_across_a_prefix(tmp_path):
+    save_file(
+        {"bert.encoder": torch.ones(3), "cls.head": torch.ones(2)}, tmp_path / "a.safetensors"
+    )
+    save_file({"encoder": torch.ones(3)}, tmp_path / "b.safetensors")
+    result = invoke(
+        tmp_path / "a.safetensors",
+        tmp_path / "b.safetensors",
+        "--map",
+        "bert.*=*",
+        "--include",
+        "bert.*",
+        "--json",
+    )
+    report = json.loads(result.stdout)
+    assert result.exit_code == 0
+    assert [(p["key"], p["other"]) for p in report["pairs"]] == [("bert.encoder", "encoder")]
+    assert report["only_a"] == [] and report["only_b"] == []
+
+
+def test_junit_counts(ref, tmp_path):
+    def change(t):
+        t["embeddings.word_embeddings"] += 1.0
+        t.pop("pooler.dense")
+
+    new = copy_with(ref, tmp_path / "new.safetensors", change)
+    result = invoke(ref, new, "--junit", tmp_path / "report.xml", "--strict")
+    assert result.exit_code == 1
+    suite = ET.parse(tmp_path / "report.xml").getroot()
+    cases = suite.findall("testcase")
+    report = diff_dumps(ref, new, strict=True)
+    assert int(suite.get("tests")) == len(cases) == len(report.pairs) + 1
+    failed = [c.get("name") for c in cases if c.find("failure") is not None]
+    assert int(suite.get("failures")) == len(failed) == len(report.failed) + 1
+    assert "embeddings.word_embeddings" in failed and "pooler.dense" in failed
+    assert "max abs" in cases[0].find("failure").get("message") or failed
+
+
+def test_preset_from_configs_and_overrides(tmp_path):
+    from pathlib import Path
+
+    save_file({"x": torch.tensor([1.0, 2.0])}, tmp_path / "a.safetensors")
+    save_file({"x": torch.tensor([1.001, 2.0])}, tmp_path / "b.safetensors")
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    assert invoke(a, b, "--preset", "exact").exit_code == 1
+    assert invoke(a, b, "--preset", "bf16").exit_code == 0  # rtol 1.6e-2 from configs/
+    presets = Path(__file__).resolve().parent.parent / "configs" / "tolerances.toml"
+    assert "[bf16]" in presets.read_text()
+    (tmp_path / "modeltap.toml").write_text(
+        '[diff]\natol = 0.0\nrtol = 0.0\n[diff.overrides]\n"x" = { atol = 0.01 }\n'
+    )
+    assert invoke(a, b).exit_code == 0
+    result = invoke(a, b, "--preset", "bf61")
+    assert result.exit_code == 2 and "did you mean 'bf16'" in result.stderr
+
+
+def test_different_inputs_are_a_warning(bert, ref, tmp_path):
+    model, inputs = bert
+    other = Inputs((), inputs.kwargs, {"texts": ["something else"]})
+    new = dump_model(model, other, tmp_path / "new.safetensors")
+    result = invoke(ref, new)
+    assert result.exit_code == 0 and "warning: inputs differs" in result.stdout
+
+
+@pytest.mark.parametrize("kind", ["truncated", "garbage", "missing"])
+def test_unreadable_files_exit_2_cleanly(ref, tmp_path, kind):
+    bad = tmp_path / "bad.safetensors"
+    if kind == "truncated":
+        bad.write_bytes(ref.read_bytes()[: len(ref.read_bytes()) // 2])
+    elif kind == "garbage":
+        bad.write_bytes(bytes(range(256)) * 8)
+    result = invoke(ref, bad)
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "Traceback" not in result.output
+
+
+def test_bad_options_exit_2(ref, tmp_path):
+    result = invoke(ref, ref, "--map", "nonsense")
+    assert result.exit_code == 2 and "OLD=NEW" in result.stderr
+    result = invoke(ref, ref, "--atol", "-1")
+    assert result.exit_code == 2
