@@ -226,6 +226,7 @@ def diff_dumps(
 
     pairs: list[Pair] = []
     done: dict[tuple[str, str], Pair] = {}
+    buffers = _Buffers()
     for key in keys_a:
         other = mapped[key]
         if other not in keys_b:
@@ -235,11 +236,40 @@ def diff_dumps(
             done[stored].aliases.append(key)
             continue
         tol = next((t for glob, t in overrides if fnmatchcase(key, glob)), tolerance)
-        pair = compare(key, other, da[key], db[other], tol, equal_nan=equal_nan, upcast=upcast)
+        norms = (_norm(da, key), _norm(db, other))
+        pair = compare(
+            key,
+            other,
+            da[key],
+            db[other],
+            tol,
+            equal_nan=equal_nan,
+            upcast=upcast,
+            norms=norms,
+            buffers=buffers,
+        )
         done[stored] = pair
         pairs.append(pair)
     ordered = da.order is not None
     return DiffReport(da.path, db.path, tolerance, pairs, only_a, only_b, changes, ordered, strict)
+
+
+class _Buffers:
+    """Work buffers reused from pair to pair: fresh temporaries per tensor cost more in page
+    faults than the arithmetic on them."""
+
+    def __init__(self) -> None:
+        self._store: dict[tuple[Any, str], torch.Tensor] = {}
+
+    def get(self, like: torch.Tensor, name: str, dtype: Any = None) -> torch.Tensor:
+        import torch
+
+        dtype = dtype or like.dtype
+        held = self._store.get((dtype, name))
+        if held is None or held.numel() < like.numel() or held.device != like.device:
+            held = torch.empty(like.numel(), dtype=dtype, device=like.device)
+            self._store[(dtype, name)] = held
+        return held[: like.numel()].view(like.shape)
 
 
 def compare(
@@ -251,8 +281,13 @@ def compare(
     *,
     equal_nan: bool = False,
     upcast: bool = False,
+    norms: tuple[float | None, float | None] = (None, None),
+    buffers: _Buffers | None = None,
 ) -> Pair:
-    """Errors and the allclose verdict of one pair; B is the reference (rtol scales |b|)."""
+    """Errors and the allclose verdict of one pair; B is the reference (rtol scales |b|).
+
+    `norms` are the L2 norms of a and b when already known (a dump's statistics), for the cosine.
+    """
     import torch
 
     from modeltap.stats import dtype_name
@@ -269,55 +304,83 @@ def compare(
             return pair
     if a.numel() == 0:
         return pair
-    work = torch.float64 if (a.dtype != b.dtype or a.dtype == torch.float64) else torch.float32
     if a.is_complex() or b.is_complex():
         work = torch.complex128
-    x, y = a.to(work), b.to(work)
-
-    diff = torch.sub(x, y).abs_()
-    scale = y.abs()
-    finite = math.isfinite(float(diff.sum()))
-    if finite:
-        out = diff > scale.mul(tol.rtol).add_(tol.atol)
+    elif a.dtype != b.dtype or a.dtype == torch.float64:
+        work = torch.float64
     else:
+        work = torch.float32
+    x, y = a.to(work), b.to(work)
+    buf = buffers or _Buffers()
+    real = torch.float64 if work == torch.complex128 else work
+
+    diff = buf.get(x, "diff", real)
+    if work == torch.complex128:
+        torch.abs(x - y, out=diff)
+    else:
+        torch.sub(x, y, out=diff).abs_()
+    scale = buf.get(y, "scale", real)
+    torch.abs(y, out=scale)
+    total = float(diff.sum())
+    if math.isfinite(total):
+        limit = buf.get(y, "limit", real)
+        torch.mul(scale, tol.rtol, out=limit).add_(tol.atol)
+        out = buf.get(x, "out", torch.bool)
+        pair.out_count = int(torch.count_nonzero(torch.gt(diff, limit, out=out)))
+        pair.max_abs = float(diff.max())
+        pair.mean_abs = total / diff.numel()
+        squared = float(torch.linalg.vecdot(diff.reshape(-1), diff.reshape(-1)))
+        pair.cosine = _cosine(x, y, squared, norms)
+        rel = torch.div(diff, scale, out=limit)
+        zeros = int(diff.numel() - torch.count_nonzero(scale))
+        if zeros:  # relative error is over positions where b != 0
+            rel.masked_fill_(torch.eq(scale, 0, out=out), 0.0)
+        if diff.numel() > zeros:
+            pair.max_rel = float(rel.max())
+            pair.mean_rel = float(rel.sum()) / (diff.numel() - zeros)
+    else:
+        # NaN or Inf somewhere: torch.isclose's semantics, metrics over positions finite on both.
         close = torch.isclose(x, y, rtol=tol.rtol, atol=tol.atol, equal_nan=equal_nan)
-        out = ~close
+        pair.out_count = int(torch.count_nonzero(~close))
         nan_x, nan_y = torch.isnan(x), torch.isnan(y)
         mismatch = nan_x ^ nan_y
         if not equal_nan:
             mismatch |= nan_x & nan_y
         pair.nan_mismatch = int(mismatch.sum())
         usable = torch.isfinite(x) & torch.isfinite(y)
-        diff, scale = diff[usable], scale[usable]
-    pair.out_count = int(torch.count_nonzero(out))
+        d, sc = diff[usable].double(), scale[usable].double()
+        if d.numel():
+            pair.max_abs = float(d.max())
+            pair.mean_abs = float(d.mean())
+            nonzero = sc > 0
+            if bool(nonzero.any()):
+                rel = d[nonzero] / sc[nonzero]
+                pair.max_rel, pair.mean_rel = float(rel.max()), float(rel.mean())
     pair.out_fraction = pair.out_count / a.numel()
-    if diff.numel():
-        pair.max_abs = float(diff.max())
-        pair.mean_abs = float(
-            diff.sum(dtype=torch.float64) if work == torch.float64 else diff.sum()
-        )
-        pair.mean_abs /= diff.numel()
-        nonzero = scale > 0
-        rel = diff[nonzero] / scale[nonzero] if not bool(nonzero.all()) else diff.div_(scale)
-        if rel.numel():
-            pair.max_rel = float(rel.max())
-            pair.mean_rel = float(rel.sum()) / rel.numel()
-        pair.cosine = _cosine(x, y) if finite else None
     if pair.out_count:
         pair.status = "differs"
     return pair
 
 
-def _cosine(x: torch.Tensor, y: torch.Tensor) -> float | None:
-    """Cosine similarity from cascade-summed squares: |a-b|^2 = |a|^2 + |b|^2 - 2 a.b."""
+def _cosine(
+    x: torch.Tensor, y: torch.Tensor, diff_squared: float, norms: tuple[float | None, float | None]
+) -> float:
+    """Cosine similarity from squared norms, |a-b|^2 = |a|^2 + |b|^2 - 2 a.b: no extra product
+    pass, and the norms often come free from the dumps' statistics."""
     import torch
 
-    nx = float(torch.square(x).sum())
-    ny = float(torch.square(y).sum())
+    nx, ny = (
+        n if n is not None else float(torch.linalg.vector_norm(t, dtype=torch.float64))
+        for n, t in zip(norms, (x, y), strict=True)
+    )
     if nx == 0 or ny == 0:
         return 1.0 if nx == ny else 0.0
-    nd = float(torch.square(x - y).sum())
-    return max(-1.0, min(1.0, (nx + ny - nd) / (2 * math.sqrt(nx) * math.sqrt(ny))))
+    return max(-1.0, min(1.0, (nx * nx + ny * ny - diff_squared) / (2 * nx * ny)))
+
+
+def _norm(dump: Dump, key: str) -> float | None:
+    stats = dump.stats_for(key)
+    return stats.norm if stats is not None and stats.nan == 0 and stats.inf == 0 else None
 
 
 def junit_xml(report: DiffReport) -> str:

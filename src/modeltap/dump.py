@@ -10,9 +10,11 @@ Metadata (`__metadata__`, all values strings, JSON where structured): see METADA
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +76,15 @@ _DTYPES = {
 }
 
 _ALIGN = 8
+
+
+@functools.cache
+def _torch_dtype(code: str) -> Any:
+    """safetensors dtype code -> torch dtype (None if unknown)."""
+    import torch
+
+    name = next((n for n, c in _DTYPES.items() if c == code), None)
+    return getattr(torch, name, None) if name else None
 
 
 def _align(n: int) -> int:
@@ -224,6 +235,37 @@ class Dump:
     order: list[str] | None = None
     stats: dict[str, TensorStats] = field(default_factory=dict)
     _handle: Any = None
+    _map: Any = None
+
+    def _mapped(self, target: str) -> torch.Tensor | None:
+        """A zero-copy, copy-on-write view of the tensor in the memory-mapped file, if possible.
+
+        Pages come straight from the page cache; writing to the tensor changes only this
+        process's private copy, never the file. None when the layout does not allow a view.
+        """
+        import mmap
+
+        import torch
+
+        if self._map is None:
+            header = _read_header(self.path)
+            if header is None:
+                return None
+            with open(self.path, "rb") as f:
+                self._map = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), *header)
+        buffer, start, entries = self._map
+        info = entries.get(target)
+        dtype = _torch_dtype(info["dtype"]) if info else None
+        if dtype is None:
+            return None
+        begin, end = info["data_offsets"]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if end == begin or (start + begin) % itemsize:
+            return None
+        flat = torch.frombuffer(
+            buffer, dtype=dtype, count=(end - begin) // itemsize, offset=start + begin
+        )
+        return flat.reshape(info["shape"])
 
     @property
     def is_modeltap(self) -> bool:
@@ -260,7 +302,8 @@ class Dump:
         target = self.resolve(key)
         if target not in self.stored:
             raise KeyError(key)
-        return self._handle.get_tensor(target)
+        view = self._mapped(target) if sys.byteorder == "little" else None
+        return view if view is not None else self._handle.get_tensor(target)
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for key in self.keys():
@@ -269,6 +312,18 @@ class Dump:
 
     def stats_for(self, key: str) -> TensorStats | None:
         return self.stats.get(self.resolve(key))
+
+
+def _read_header(path: Path) -> tuple[int, dict[str, Any]] | None:
+    """(data start, tensor entries) of a safetensors file that safe_open already validated."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            return None
+        (size,) = struct.unpack("<Q", raw)
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return 8 + size, header
 
 
 def load_dump(path: str | os.PathLike[str]) -> Dump:
