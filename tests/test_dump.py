@@ -146,3 +146,18 @@ def test_newer_format_version_is_refused(tmp_path):
     path.write_bytes(raw)
     with pytest.raises(DumpFormatError, match="upgrade modeltap"):
         load_dump(path)
+
+
+def test_reader_views_are_private_and_misaligned_tensors_still_read(tmp_path):
+    odd = torch.arange(3, dtype=torch.bfloat16)  # 6 bytes: the next tensor starts misaligned
+    wide = torch.arange(4, dtype=torch.float32)
+    with DumpWriter(tmp_path / "d.safetensors") as writer:
+        writer.tensor("odd", odd)
+        writer.tensor("wide", wide)
+        path = writer.finish({})
+    before = path.read_bytes()
+    dump = load_dump(path)
+    assert torch.equal(dump["odd"], odd) and torch.equal(dump["wide"], wide)
+    dump["odd"].add_(1)  # a copy-on-write page: the file is untouched
+    assert path.read_bytes() == before
+    assert torch.equal(load_dump(path)["odd"], odd)
