@@ -230,3 +230,22 @@ def test_bad_options_exit_2(ref, tmp_path):
     assert result.exit_code == 2 and "OLD=NEW" in result.stderr
     result = invoke(ref, ref, "--atol", "-1")
     assert result.exit_code == 2
+
+
+def test_table_keeps_every_number_column_at_80_columns(ref, tmp_path):
+    from rich.console import Console
+
+    from modeltap.render import diff_table
+
+    def change(t):
+        for key in t:
+            if key.startswith("encoder.layer.0.attention.output"):
+                t[key] = t[key] * 2
+
+    new = copy_with(ref, tmp_path / "new.safetensors", change)
+    console = Console(width=80, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    console.print(diff_table(diff_dumps(ref, new), width=80))
+    lines = console.export_text().splitlines()
+    assert lines[0].split() == ["key", "status", "max", "abs", "max", "rel", "cosine", "out"]
+    assert all(len(line) <= 80 for line in lines)
+    assert "…" in lines[1] and lines[1].rstrip().endswith("%")  # key cut, numbers whole

@@ -320,8 +320,10 @@ def list_modules(
 @app.command("diff")
 @handle_errors
 def diff_command(
-    a: Annotated[Path, typer.Argument(help="Reference dump (B is compared against it).")],
-    b: Annotated[Path, typer.Argument(help="Candidate dump.")],
+    a: Annotated[Path, typer.Argument(help="First dump, e.g. the candidate.")],
+    b: Annotated[
+        Path, typer.Argument(help="Second dump; rtol is relative to |B|, as torch.allclose(A, B).")
+    ],
     atol: Annotated[float | None, typer.Option(help="Absolute tolerance [default: 1e-8].")] = None,
     rtol: Annotated[float | None, typer.Option(help="Relative tolerance [default: 1e-5].")] = None,
     preset: Annotated[
@@ -400,7 +402,7 @@ def diff_command(
 
         console = _stdout()
         console.print(diff_heading(report))
-        table = diff_table(report, show_all=show_all)
+        table = diff_table(report, show_all=show_all, width=console.width)
         if table.row_count:
             console.print(table)
     raise typer.Exit(0 if report.passed else 1)

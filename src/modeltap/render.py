@@ -280,12 +280,15 @@ def _diff_summary(pair: DiffPair) -> str:
     if pair.status == "shape":
         return f"shape {fmt_shape(pair.shape)} vs {fmt_shape(pair.other_shape or [])}"
     if pair.status == "dtype":
-        return f"dtype {pair.dtype} vs {pair.other_dtype}"
+        return f"dtype {pair.dtype} vs {pair.other_dtype}; --upcast compares the values"
     return f"max abs {fmt(pair.max_abs)}, max rel {fmt(pair.max_rel)}, {pair.out_fraction:.1%} out"
 
 
-def diff_table(report: DiffReport, *, show_all: bool = False) -> Table:
-    """Worst pairs first (or every pair in execution order with `show_all`), then missing keys."""
+def diff_table(report: DiffReport, *, show_all: bool = False, width: int = 80) -> Table:
+    """Worst pairs first (or every pair in execution order with `show_all`), then missing keys.
+
+    The key column takes what `width` leaves after the numbers, cut with an ellipsis.
+    """
     first = report.first_divergence
     if show_all:
         rows = list(report.pairs)
@@ -302,10 +305,12 @@ def diff_table(report: DiffReport, *, show_all: bool = False) -> Table:
         padding=(0, 1),
         collapse_padding=True,
     )
-    table.add_column("key", no_wrap=True, overflow="ellipsis", ratio=1)
-    table.add_column("status", no_wrap=True)
-    for name in ("max abs", "max rel", "cosine", "out"):
-        table.add_column(name, justify="right", no_wrap=True, min_width=8 if name != "out" else 6)
+    numbers = {"max abs": 8, "max rel": 8, "cosine": 8, "out": 6}
+    key_width = max(16, width - 9 - sum(numbers.values()) - len(numbers) - 1)
+    table.add_column("key", no_wrap=True, overflow="ellipsis", max_width=key_width)
+    table.add_column("status", no_wrap=True, min_width=9)
+    for name, min_width in numbers.items():
+        table.add_column(name, justify="right", no_wrap=True, min_width=min_width)
     for pair in rows:
         style = "bold red" if pair is first else ("red" if not pair.ok else "")
         name = pair.key if pair.key == pair.other else f"{pair.key} → {pair.other}"
