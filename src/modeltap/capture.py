@@ -138,11 +138,14 @@ def hooks(
     *,
     inputs: bool = False,
     train_mode: bool = False,
+    replace: Callable[[str, Any], Any] | None = None,
 ) -> Iterator[Recorder]:
     """Hook `modules` (display names) of `model` for the duration of the block.
 
     The model is put in eval mode (unless `train_mode`) and every hook is removed and `training`
     restored in `finally`, so a model that went through here behaves exactly as before.
+    `replace(name, output)`, when given, may return a new output for the model to go on with (the
+    gradient run uses it to start a gradient path at frozen modules); None keeps the output.
     """
     named = list(model.named_modules())
     by_name = {(n or ROOT): m for n, m in named}
@@ -159,7 +162,7 @@ def hooks(
             model.train(train_mode)
         for name in modules:
             module = by_name[name]
-            handles.append(module.register_forward_hook(_output_hook(recorder, name)))
+            handles.append(module.register_forward_hook(_output_hook(recorder, name, replace)))
             if inputs:
                 handles.append(
                     module.register_forward_pre_hook(_input_hook(recorder, name), with_kwargs=True)
@@ -175,11 +178,22 @@ def hooks(
                 module.training = training
 
 
-def _output_hook(recorder: Recorder, name: str) -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        recorder.record(name, output)
+def _output_hook(
+    recorder: Recorder, name: str, replace: Callable[[str, Any], Any] | None = None
+) -> Callable[..., Any]:
+    if replace is None:
 
-    return hook
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            recorder.record(name, output)
+
+        return hook
+
+    def replacing_hook(module: nn.Module, args: Any, output: Any) -> Any:
+        new = replace(name, output)
+        recorder.record(name, output if new is None else new)
+        return new
+
+    return replacing_hook
 
 
 def _input_hook(recorder: Recorder, name: str) -> Callable[..., None]:

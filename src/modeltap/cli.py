@@ -94,6 +94,40 @@ TrustOpt = Annotated[
 ]
 
 
+TargetOpt = Annotated[
+    str | None,
+    typer.Option("--target", "-t", help="Module (or module:part) whose output is differentiated."),
+]
+WrtOpt = Annotated[
+    list[str] | None,
+    typer.Option("--wrt", "-w", help="Only these modules' outputs get gradients; repeatable."),
+]
+LossOpt = Annotated[
+    str | None,
+    typer.Option(help="Without --target: sum (of the main output), lm (causal LM), mlm."),
+]
+GradOutputOpt = Annotated[
+    str | None,
+    typer.Option(help="Seed of the backward: ones, randn, unit:I,J,... or a tensor file."),
+]
+ParamsOpt = Annotated[
+    bool | None, typer.Option("--params/--no-params", help="Also store parameter gradients.")
+]
+JacobianOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Estimate ||d target/d x||_F for each x from K random probes [default: off]."
+    ),
+]
+ProbesOpt = Annotated[str | None, typer.Option(help="Probe vectors: rademacher or gaussian.")]
+VanishingOpt = Annotated[
+    float | None, typer.Option(help="Flag gradients with a norm below this [default: 1e-7].")
+]
+ExplodingOpt = Annotated[
+    float | None, typer.Option(help="Flag gradients with a norm above this [default: 1e3].")
+]
+
+
 @app.callback(invoke_without_command=True)
 def _root(
     version: Annotated[bool, typer.Option("--version", help="Print the version.")] = False,
@@ -150,6 +184,14 @@ def dump(
         float | None,
         typer.Option(help="A unit is dead when never above this [default: 0]."),
     ] = None,
+    grads: Annotated[
+        bool | None,
+        typer.Option("--grads/--no-grads", help="Also store gradients (see `modeltap grads`)."),
+    ] = None,
+    target: TargetOpt = None,
+    loss: LossOpt = None,
+    grad_output: GradOutputOpt = None,
+    params: ParamsOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """Run a model on text or tensors and write every selected module's output to safetensors."""
@@ -174,22 +216,50 @@ def dump(
         seed=seed,
         train_mode=train_mode,
         dead_threshold=dead_threshold,
+        grads=grads,
+        target=target,
+        loss=loss,
+        grad_output=grad_output,
+        params=params,
     )
+    _run(s, json_out=json_out, grads=s.grads, activations=True)
+
+
+def _run(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> None:
+    """dump and grads: check, load, run, write, print."""
     from modeltap.dump import check_writable
     from modeltap.run import default_out
 
+    spec = None
+    if grads:
+        from modeltap.grads import GradSpec
+
+        spec = GradSpec(
+            target=s.target,
+            wrt=tuple(s.wrt),
+            loss=s.loss,
+            grad_output=s.grad_output,
+            params=s.params,
+            jacobian_norm=s.jacobian_norm,
+            probes=s.probes,
+            vanishing=s.vanishing,
+            exploding=s.exploding,
+        )
+        spec.check()
+        if s.inputs:
+            raise InputError("--inputs is for activations only; drop it with gradients")
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
     if s.texts and s.input_file:
         raise InputError("give TEXT or --input-file, not both")
     if not s.texts and not s.input_file:
         raise InputError("nothing to run on; give TEXT or --input-file")
-    path = Path(s.out) if s.out else default_out(s.model)
+    path = Path(s.out) if s.out else default_out(s.model, grads_only=not activations)
     check_writable(path)
 
     err = _stderr()
     with err.status(f"loading {s.model}"):
-        loaded, inputs_ = _load_with_inputs(s)
+        loaded, inputs_, tok = _load_with_inputs(s, need_tokenizer=s.loss == "mlm")
     from modeltap.run import dump_model
     from modeltap.selection import Selection
 
@@ -205,6 +275,10 @@ def dump(
             stats_only=s.stats_only,
             dead_threshold=s.dead_threshold,
             metadata=_run_metadata(s, loaded),
+            grads=spec,
+            activations=activations,
+            mask_token_id=getattr(tok, "mask_token_id", None),
+            special_ids=tuple(getattr(tok, "all_special_ids", ())),
         )
     from modeltap.dump import load_dump
 
@@ -212,7 +286,7 @@ def dump(
     err.print(f"wrote {written} ({written.stat().st_size / 1e6:.1f} MB)")
 
 
-def _load_with_inputs(s: Settings) -> tuple[Any, Any]:
+def _load_with_inputs(s: Settings, *, need_tokenizer: bool = False) -> tuple[Any, Any, Any]:
     import torch
 
     from modeltap.loading import (
@@ -231,14 +305,13 @@ def _load_with_inputs(s: Settings) -> tuple[Any, Any]:
         device=s.device,
         trust_remote_code=s.trust_remote_code,
     )
-    if s.texts:
+    tok = None
+    if s.texts or need_tokenizer:
         where = s.tokenizer or loaded.source.path
         tok = load_tokenizer(where, trust_remote_code=s.trust_remote_code)
-        inputs_ = text_inputs(tok, s.texts)
-    else:
-        inputs_ = file_inputs(s.input_file or "")
+    inputs_ = text_inputs(tok, s.texts) if s.texts else file_inputs(s.input_file or "")
     inputs_ = add_decoder_inputs(loaded.model, inputs_)
-    return loaded, inputs_.to(loaded.device, getattr(torch, loaded.dtype))
+    return loaded, inputs_.to(loaded.device, getattr(torch, loaded.dtype)), tok
 
 
 def _run_metadata(s: Settings, loaded: Any) -> dict[str, str]:
@@ -246,6 +319,87 @@ def _run_metadata(s: Settings, loaded: Any) -> dict[str, str]:
     if loaded.source.revision:
         meta["revision"] = loaded.source.revision
     return meta
+
+
+@app.command()
+@handle_errors
+def grads(
+    model: ModelArg = None,
+    text: Annotated[
+        list[str] | None, typer.Argument(help="Sentences, run as one padded batch.")
+    ] = None,
+    target: TargetOpt = None,
+    wrt: WrtOpt = None,
+    loss: LossOpt = None,
+    grad_output: GradOutputOpt = None,
+    params: ParamsOpt = None,
+    jacobian_norm: JacobianOpt = None,
+    probes: ProbesOpt = None,
+    vanishing: VanishingOpt = None,
+    exploding: ExplodingOpt = None,
+    input_file: Annotated[
+        Path | None,
+        typer.Option(help="Tensors instead of text: .safetensors, .npy, .npz or .pt."),
+    ] = None,
+    depth: DepthOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="Output file [default: <model name>.grads.safetensors]."),
+    ] = None,
+    stats_only: Annotated[
+        bool | None,
+        typer.Option("--stats-only/--with-tensors", help="Write statistics only, no tensors."),
+    ] = None,
+    json_out: JsonOpt = False,
+    revision: RevisionOpt = None,
+    model_class: ModelClassOpt = None,
+    tokenizer: Annotated[
+        str | None, typer.Option(help="Tokenizer id or folder [default: the model's].")
+    ] = None,
+    trust_remote_code: TrustOpt = None,
+    dtype: Annotated[DType | None, typer.Option(help="Model dtype [default: float32].")] = None,
+    device: Annotated[Device | None, typer.Option(help="Where to run [default: cpu].")] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed of the run and of random probes [default: 0].")
+    ] = None,
+    train_mode: Annotated[
+        bool | None, typer.Option("--train-mode/--eval-mode", help="Keep dropout etc. active.")
+    ] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Gradients of a module's output (or a loss) w.r.t. the selected modules, in one backward."""
+    s = _settings(
+        "grads",
+        config,
+        model=model,
+        texts=text or [],
+        input_file=str(input_file) if input_file else None,
+        depth=depth,
+        include=include or [],
+        exclude=exclude or [],
+        out=str(out) if out else None,
+        stats_only=stats_only,
+        revision=revision,
+        model_class=model_class,
+        tokenizer=tokenizer,
+        trust_remote_code=trust_remote_code,
+        dtype=dtype.value if dtype else None,
+        device=device.value if device else None,
+        seed=seed,
+        train_mode=train_mode,
+        target=target,
+        wrt=wrt or [],
+        loss=loss,
+        grad_output=grad_output,
+        params=params,
+        jacobian_norm=jacobian_norm,
+        probes=probes,
+        vanishing=vanishing,
+        exploding=exploding,
+    )
+    _run(s, json_out=json_out, grads=True, activations=False)
 
 
 @app.command()
@@ -267,14 +421,26 @@ def show(
 
 
 def _print_opened(opened: Any, *, json_out: bool) -> None:
-    from modeltap.render import dump_heading, dump_json, dump_table
+    from modeltap.render import (
+        activation_keys,
+        dump_heading,
+        dump_json,
+        dump_table,
+        grad_meta,
+        grads_heading,
+        grads_table,
+    )
 
     if json_out:
         print(json.dumps(dump_json(opened), indent=1))
         return
     console = _stdout()
     console.print(dump_heading(opened))
-    console.print(dump_table(opened, width=console.width))
+    if activation_keys(opened):
+        console.print(dump_table(opened, width=console.width))
+    if grad_meta(opened) is not None:
+        console.print(grads_heading(opened))
+        console.print(grads_table(opened, width=console.width))
 
 
 @app.command("ls")

@@ -57,6 +57,17 @@ class Settings:
     equal_nan: bool = False
     upcast: bool = False
     strict: bool = False
+    # grads (and dump --grads)
+    grads: bool = False
+    target: str | None = None
+    wrt: list[str] = field(default_factory=list)
+    loss: str = "sum"
+    grad_output: str = "ones"
+    params: bool = False
+    jacobian_norm: int = 0
+    probes: str = "rademacher"
+    vanishing: float = 1e-7
+    exploding: float = 1e3
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
@@ -79,6 +90,12 @@ _TYPES: dict[str, type] = {
     "equal_nan": bool,
     "upcast": bool,
     "strict": bool,
+    "grads": bool,
+    "wrt": list,
+    "params": bool,
+    "jacobian_norm": int,
+    "vanishing": float,
+    "exploding": float,
 }
 
 

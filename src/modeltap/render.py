@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from modeltap.capture import split_key
+from modeltap.dump import GRAD_PREFIX
 from modeltap.selection import ROOT
 
 if TYPE_CHECKING:
@@ -133,7 +134,7 @@ def dump_table(dump: Dump, *, width: int = 80) -> Table:
     table.add_column("dead", justify="right")
     if wide:
         table.add_column("same tensor as")
-    for label, key in _walk(_module_tree(dump.keys()), None, ""):
+    for label, key in _walk(_module_tree(activation_keys(dump)), None, ""):
         if key is None:
             table.add_row(label)
             continue
@@ -192,8 +193,12 @@ def dump_heading(dump: Dump) -> Text:
         text.append("\n")
     else:
         text.append(f"{dump.path.name}: plain safetensors file, no modeltap metadata\n")
-    n_aliases = len(dump.aliases)
-    text.append(f"{len(dump.stats)} tensors", style="bold")
+    n_aliases = len([k for k in dump.aliases if not k.startswith(GRAD_PREFIX)])
+    n_tensors = len([k for k in dump.stats if not k.startswith(GRAD_PREFIX)])
+    if not n_tensors and "grad" in meta:
+        text.append("gradients only (no activations)", style="bold")
+        return text
+    text.append(f"{n_tensors} tensors", style="bold")
     text.append(f", {n_aliases} aliases" if n_aliases else "")
     skipped = len(json.loads(meta.get("skipped", "{}"))) + int(meta.get("skipped_none", "0") or 0)
     text.append(f", {skipped} non-tensor outputs skipped" if skipped else "")
@@ -206,7 +211,7 @@ def dump_json(dump: Dump) -> dict[str, Any]:
     """The same statistics as the table, as one JSON-ready object."""
     meta = dump.metadata
     tensors = []
-    for key in dump.keys():
+    for key in activation_keys(dump):
         module, call, part = split_key(key)
         stats = dump.stats_for(key)
         entry: dict[str, Any] = {"key": key, "module": module, "call": call, "part": part}
@@ -221,7 +226,24 @@ def dump_json(dump: Dump) -> dict[str, Any]:
     for k in ("inputs", "selection", "skipped"):
         if k in meta:
             header[k] = json.loads(meta[k])
-    return {"file": str(dump.path), **header, "tensors": tensors}
+    out: dict[str, Any] = {"file": str(dump.path), **header, "tensors": tensors}
+    grad = grad_meta(dump)
+    if grad is not None:
+        entries = []
+        for key in grad["keys"]:
+            entry = {"key": key, "param": key in grad["params"]}
+            stats = dump.stats_for(GRAD_PREFIX + key)
+            if key in grad["no_path"]:
+                entry["no_path"] = grad["no_path"][key]
+            elif stats is not None:
+                entry.update(stats.to_json())
+                entry["flag"] = grad_flag(stats, grad)
+            if key in grad.get("jacobian", {}):
+                entry["jacobian"] = grad["jacobian"][key]
+            entries.append(entry)
+        summary = {k: v for k, v in grad.items() if k not in ("keys", "computed", "jacobian")}
+        out["gradients"] = {**summary, "tensors": entries}
+    return out
 
 
 def module_table(model: nn.Module, names: Sequence[str]) -> Table:
@@ -333,3 +355,119 @@ def diff_table(report: DiffReport, *, show_all: bool = False, width: int = 80) -
     if not show_all and len(report.failed) > len(rows):
         table.add_row(Text(f"... {len(report.failed) - len(rows)} more (--all)", style="dim"))
     return table
+
+
+def activation_keys(dump: Dump) -> list[str]:
+    return [k for k in dump.keys() if not k.startswith(GRAD_PREFIX)]
+
+
+def grad_meta(dump: Dump) -> dict[str, Any] | None:
+    """The `grad` metadata of a dump written with gradients, or None."""
+    raw = dump.metadata.get("grad")
+    return json.loads(raw) if raw else None
+
+
+def grad_flag(stats: TensorStats, grad: dict[str, Any]) -> str:
+    """`nan/inf`, `exploding` (norm above the threshold), `vanishing` (below), or ``."""
+    if stats.nan or stats.inf:
+        return "nan/inf"
+    if stats.norm is not None and stats.norm > grad["exploding"]:
+        return "exploding"
+    if stats.norm is not None and stats.norm < grad["vanishing"]:
+        return "vanishing"
+    return ""
+
+
+def grads_heading(dump: Dump) -> Text:
+    """What was differentiated: the target or loss, the seed vector, and the flag counts."""
+    grad = grad_meta(dump) or {}
+    text = Text("gradients of ", style="bold")
+    text.append(grad.get("target", "?"), style="bold cyan")
+    info = grad.get("loss_info", {})
+    if "value" in info:
+        text.append(f" = {info['value']:.6g}")
+    if grad.get("loss") == "sum":
+        text.append("  (loss: sum of the main output)")
+    if grad.get("grad_output") not in (None, "scalar"):
+        text.append(f"  grad_output: {grad['grad_output']}")
+    computed = [k for k in grad.get("keys", []) if k not in grad.get("no_path", {})]
+    flags = [grad_flag(s, grad) for k in computed if (s := dump.stats_for(GRAD_PREFIX + k))]
+    text.append(f"\n{len(computed)} gradients", style="bold")
+    if grad.get("params"):
+        text.append(f" ({len(grad['params'])} of parameters)")
+    if grad.get("no_path"):
+        text.append(f", {len(grad['no_path'])} with no path to the target")
+    for flag in ("vanishing", "exploding", "nan/inf"):
+        if flag in flags:
+            style = "yellow" if flag == "vanishing" else "bold red"
+            text.append(f", {flags.count(flag)} {flag}", style=style)
+    text.append(f"  (vanishing < {grad.get('vanishing', 0):g}, exploding > ")
+    text.append(f"{grad.get('exploding', 0):g})")
+    return text
+
+
+def grads_table(dump: Dump, *, width: int = 80) -> Table:
+    """The tree of gradients: norm, mean, absmax, NaN/Inf, exact zeros, flags; `no path` rows.
+
+    Below WIDE columns with Jacobian estimates, mean and zeros make room for them.
+    """
+    grad = grad_meta(dump) or {}
+    no_path = grad.get("no_path", {})
+    jacobian = grad.get("jacobian", {})
+    keys = grad.get("keys", [])
+    stats = {k: dump.stats_for(GRAD_PREFIX + k) for k in keys if k not in no_path}
+    flags = {k: _grad_flag_or_target(k, s, grad) for k, s in stats.items() if s is not None}
+    numbers = {"norm": 8, "mean": 9, "absmax": 8, "nan/inf": 7, "zeros": 5}
+    if jacobian and width < WIDE:
+        del numbers["mean"], numbers["zeros"]
+    if jacobian:
+        numbers["‖J‖F ± se"] = 17
+    shape_width = max([5, *(len(fmt_shape(s.shape)) for s in stats.values() if s is not None)])
+    flag_width = max([4, *(len(f) for f in flags.values())])
+    used = shape_width + sum(numbers.values()) + flag_width + len(numbers) + 2
+    table = Table(
+        box=None,
+        pad_edge=False,
+        show_edge=False,
+        header_style="bold",
+        padding=(0, 1),
+        collapse_padding=True,
+    )
+    table.add_column(
+        "gradient w.r.t.", no_wrap=True, overflow="ellipsis", max_width=max(16, width - used)
+    )
+    table.add_column("shape", justify="right", no_wrap=True, min_width=shape_width)
+    for name, min_width in numbers.items():
+        table.add_column(name, justify="right", no_wrap=True, min_width=min_width)
+    table.add_column("flag", no_wrap=True, min_width=flag_width)
+    for label, key in _walk(_module_tree(keys), None, ""):
+        if key is None:
+            table.add_row(label)
+            continue
+        st = stats.get(key)
+        if st is None:
+            table.add_row(Text(label, style="dim"), "", Text(no_path.get(key, "?"), style="dim"))
+            continue
+        flag = flags[key]
+        style = {"vanishing": "yellow", "": "", "target": "cyan"}.get(flag, "bold red")
+        zeros = f"{st.zeros / st.numel:.0%}" if st.zeros is not None and st.numel else "-"
+        est = jacobian.get(key)
+        values = {
+            "norm": fmt(st.norm),
+            "mean": fmt(st.mean),
+            "absmax": fmt(st.absmax),
+            "nan/inf": f"{st.nan}/{st.inf}" if st.nan or st.inf else "0",
+            "zeros": zeros,
+            "‖J‖F ± se": "" if est is None else f"{fmt(est['norm'])} ± {fmt(est.get('norm_se'))}",
+        }
+        table.add_row(
+            Text(label, style=style),
+            fmt_shape(st.shape),
+            *(values[name] for name in numbers),
+            Text(flag, style=style),
+        )
+    return table
+
+
+def _grad_flag_or_target(key: str, stats: TensorStats, grad: dict[str, Any]) -> str:
+    return grad_flag(stats, grad) or ("target" if key == grad.get("target") else "")
