@@ -364,3 +364,13 @@ def test_minilm_target_layer5_wrt_word_embeddings(minilm_dir, tmp_path):
     y = out.hidden_states[6]
     (ref,) = torch.autograd.grad(y, x, grad_outputs=torch.ones_like(y))
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_every_metadata_key_written_is_documented(bert, tmp_path):
+    from modeltap.dump import METADATA_KEYS
+
+    model, inputs = bert
+    path = dump_model(
+        model, inputs, tmp_path / "b.safetensors", grads=GradSpec(target="encoder.layer.0")
+    )
+    assert set(load_dump(path).metadata) <= set(METADATA_KEYS)

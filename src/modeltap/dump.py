@@ -54,6 +54,7 @@ METADATA_KEYS = {
     "stats": "JSON object: stored key -> statistics (see stats.TensorStats)",
     "stats_only": "'true' when no tensor data was written",
     "dead_threshold": "threshold used for dead units",
+    "grad": "JSON, with gradients: target, loss, grad_output, seed, wrt, no_path, jacobian...",
 }
 
 _DTYPES = {
