@@ -94,6 +94,22 @@ TrustOpt = Annotated[
 ]
 
 
+TextArg = Annotated[list[str] | None, typer.Argument(help="Sentences, run as one padded batch.")]
+InputFileOpt = Annotated[
+    Path | None, typer.Option(help="Tensors instead of text: .safetensors, .npy, .npz or .pt.")
+]
+StatsOnlyOpt = Annotated[
+    bool | None,
+    typer.Option("--stats-only/--with-tensors", help="Write statistics only, no tensors."),
+]
+TokenizerOpt = Annotated[
+    str | None, typer.Option(help="Tokenizer id or folder [default: the model's].")
+]
+DTypeOpt = Annotated[DType | None, typer.Option(help="Model dtype [default: float32].")]
+DeviceOpt = Annotated[Device | None, typer.Option(help="Where to run [default: cpu].")]
+TrainModeOpt = Annotated[
+    bool | None, typer.Option("--train-mode/--eval-mode", help="Keep dropout etc. active.")
+]
 TargetOpt = Annotated[
     str | None,
     typer.Option("--target", "-t", help="Module (or module:part) whose output is differentiated."),
@@ -147,13 +163,8 @@ def _settings(command: str, config: Path | None, **flags: Any) -> Settings:
 @handle_errors
 def dump(
     model: ModelArg = None,
-    text: Annotated[
-        list[str] | None, typer.Argument(help="Sentences, run as one padded batch.")
-    ] = None,
-    input_file: Annotated[
-        Path | None,
-        typer.Option(help="Tensors instead of text: .safetensors, .npy, .npz or .pt."),
-    ] = None,
+    text: TextArg = None,
+    input_file: InputFileOpt = None,
     depth: DepthOpt = None,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
@@ -161,25 +172,18 @@ def dump(
         bool | None, typer.Option("--inputs/--no-inputs", help="Also capture module inputs.")
     ] = None,
     out: OutOpt = None,
-    stats_only: Annotated[
-        bool | None,
-        typer.Option("--stats-only/--with-tensors", help="Write statistics only, no tensors."),
-    ] = None,
+    stats_only: StatsOnlyOpt = None,
     json_out: JsonOpt = False,
     revision: RevisionOpt = None,
     model_class: ModelClassOpt = None,
-    tokenizer: Annotated[
-        str | None, typer.Option(help="Tokenizer id or folder [default: the model's].")
-    ] = None,
+    tokenizer: TokenizerOpt = None,
     trust_remote_code: TrustOpt = None,
-    dtype: Annotated[DType | None, typer.Option(help="Model dtype [default: float32].")] = None,
-    device: Annotated[Device | None, typer.Option(help="Where to run [default: cpu].")] = None,
+    dtype: DTypeOpt = None,
+    device: DeviceOpt = None,
     seed: Annotated[
         int | None, typer.Option(help="torch seed set before the run [default: 0].")
     ] = None,
-    train_mode: Annotated[
-        bool | None, typer.Option("--train-mode/--eval-mode", help="Keep dropout etc. active.")
-    ] = None,
+    train_mode: TrainModeOpt = None,
     dead_threshold: Annotated[
         float | None,
         typer.Option(help="A unit is dead when never above this [default: 0]."),
@@ -325,9 +329,7 @@ def _run_metadata(s: Settings, loaded: Any) -> dict[str, str]:
 @handle_errors
 def grads(
     model: ModelArg = None,
-    text: Annotated[
-        list[str] | None, typer.Argument(help="Sentences, run as one padded batch.")
-    ] = None,
+    text: TextArg = None,
     target: TargetOpt = None,
     wrt: WrtOpt = None,
     loss: LossOpt = None,
@@ -337,10 +339,7 @@ def grads(
     probes: ProbesOpt = None,
     vanishing: VanishingOpt = None,
     exploding: ExplodingOpt = None,
-    input_file: Annotated[
-        Path | None,
-        typer.Option(help="Tensors instead of text: .safetensors, .npy, .npz or .pt."),
-    ] = None,
+    input_file: InputFileOpt = None,
     depth: DepthOpt = None,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
@@ -348,25 +347,18 @@ def grads(
         Path | None,
         typer.Option("--out", "-o", help="Output file [default: <model name>.grads.safetensors]."),
     ] = None,
-    stats_only: Annotated[
-        bool | None,
-        typer.Option("--stats-only/--with-tensors", help="Write statistics only, no tensors."),
-    ] = None,
+    stats_only: StatsOnlyOpt = None,
     json_out: JsonOpt = False,
     revision: RevisionOpt = None,
     model_class: ModelClassOpt = None,
-    tokenizer: Annotated[
-        str | None, typer.Option(help="Tokenizer id or folder [default: the model's].")
-    ] = None,
+    tokenizer: TokenizerOpt = None,
     trust_remote_code: TrustOpt = None,
-    dtype: Annotated[DType | None, typer.Option(help="Model dtype [default: float32].")] = None,
-    device: Annotated[Device | None, typer.Option(help="Where to run [default: cpu].")] = None,
+    dtype: DTypeOpt = None,
+    device: DeviceOpt = None,
     seed: Annotated[
         int | None, typer.Option(help="Seed of the run and of random probes [default: 0].")
     ] = None,
-    train_mode: Annotated[
-        bool | None, typer.Option("--train-mode/--eval-mode", help="Keep dropout etc. active.")
-    ] = None,
+    train_mode: TrainModeOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """Gradients of a module's output (or a loss) w.r.t. the selected modules, in one backward."""

@@ -29,6 +29,18 @@ DEAD_WARN = 0.5
 WIDE = 120
 
 
+def _plain_table() -> Table:
+    """No borders, one space between columns: the look of every modeltap table."""
+    return Table(
+        box=None,
+        pad_edge=False,
+        show_edge=False,
+        header_style="bold",
+        padding=(0, 1),
+        collapse_padding=True,
+    )
+
+
 def fmt(value: float | None) -> str:
     """Four significant digits in at most 8 characters: 0.007522, 886.7, -1.79e-4, 3.4e+38."""
     if value is None:
@@ -110,14 +122,7 @@ def _walk(nodes: list[_Node], parent: str | None, prefix: str) -> Iterable[tuple
 def dump_table(dump: Dump, *, width: int = 80) -> Table:
     """The tree of captured tensors with their statistics, as wide as `width` allows."""
     wide = width >= WIDE
-    table = Table(
-        box=None,
-        pad_edge=False,
-        show_edge=False,
-        header_style="bold",
-        padding=(0, 1),
-        collapse_padding=True,
-    )
+    table = _plain_table()
     table.add_column("module", no_wrap=True, overflow="ellipsis")
     table.add_column("shape", justify="right")
     if wide:
@@ -319,14 +324,7 @@ def diff_table(report: DiffReport, *, show_all: bool = False, width: int = 80) -
             report.failed,
             key=lambda p: (p is not first, -(p.out_fraction or 1.0), -(p.max_abs or math.inf)),
         )[:DIFF_ROWS]
-    table = Table(
-        box=None,
-        pad_edge=False,
-        show_edge=False,
-        header_style="bold",
-        padding=(0, 1),
-        collapse_padding=True,
-    )
+    table = _plain_table()
     numbers = {"max abs": 8, "max rel": 8, "cosine": 8, "out": 6}
     key_width = max(16, width - 9 - sum(numbers.values()) - len(numbers) - 1)
     table.add_column("key", no_wrap=True, overflow="ellipsis", max_width=key_width)
@@ -425,14 +423,7 @@ def grads_table(dump: Dump, *, width: int = 80) -> Table:
     shape_width = max([5, *(len(fmt_shape(s.shape)) for s in stats.values() if s is not None)])
     flag_width = max([4, *(len(f) for f in flags.values())])
     used = shape_width + sum(numbers.values()) + flag_width + len(numbers) + 2
-    table = Table(
-        box=None,
-        pad_edge=False,
-        show_edge=False,
-        header_style="bold",
-        padding=(0, 1),
-        collapse_padding=True,
-    )
+    table = _plain_table()
     table.add_column(
         "gradient w.r.t.", no_wrap=True, overflow="ellipsis", max_width=max(16, width - used)
     )
