@@ -371,7 +371,7 @@ def run_grads(
         "grad_output": spec.grad_output if y.dim() else "scalar",
         "seed": seed,
         "wrt": list(spec.wrt),
-        "keys": [k for k in sink.candidates] + param_keys,
+        "keys": [*sink.candidates, *param_keys],
         "params": param_keys,
         "computed": list(sink.written) + param_keys,
         "no_path": sink.no_path,
