@@ -131,26 +131,34 @@ def rss_child(mode: str, out: str) -> None:
     from modeltap.run import dump_model
 
     model, batch = bert_base()
-    # Random initialisation peaks far above a forward; start counting after it (Linux: writing 5
-    # to clear_refs resets VmHWM, the peak resident set).
-    Path("/proc/self/clear_refs").write_text("5")
+    reset_peak_rss()
     if mode == "bare":
         with torch.no_grad():
             model(**batch)
     else:
         dump_model(model, Inputs((), batch, {}), out)
+    print_peak_rss()
+
+
+def reset_peak_rss() -> None:
+    """Random initialisation peaks far above a forward; count from here on (Linux: writing 5 to
+    clear_refs resets VmHWM, the peak resident set)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def print_peak_rss() -> None:
     status = Path("/proc/self/status").read_text().splitlines()
     print(next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:")))
 
 
-def peak_rss(folder: Path) -> dict[str, float]:
-    def run(mode: str) -> int:
-        cmd = [sys.executable, __file__, "--rss-child", mode, str(folder / "rss.safetensors")]
-        return int(
-            subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()[-1]
-        )
+def child_peak_rss(script: str, mode: str, out: Path) -> int:
+    """Peak RSS in bytes of `script --rss-child MODE OUT`, run in a fresh process."""
+    cmd = [sys.executable, script, "--rss-child", mode, str(out)]
+    return int(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()[-1])
 
-    bare, dump = run("bare"), run("dump")
+
+def peak_rss(folder: Path) -> dict[str, float]:
+    bare, dump = (child_peak_rss(__file__, m, folder / "rss.safetensors") for m in ("bare", "dump"))
     return {"bare_rss_mb": bare / 1e6, "dump_rss_mb": dump / 1e6, "rss_ratio": dump / bare}
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import bert_base  # noqa: E402 - the same model and batch as scripts/bench.py
+# The same model, batch and peak-RSS measurement as scripts/bench.py.
+from bench import bert_base, child_peak_rss, print_peak_rss, reset_peak_rss  # noqa: E402
 
 
 def bare_step(model, batch) -> None:
@@ -77,23 +77,16 @@ def speed(reps: int, folder: Path) -> dict[str, float]:
 def rss_child(mode: str, out: str) -> None:
     """In a fresh process: build bert-base, then one bare step or one dump --grads; peak RSS."""
     model, batch = bert_base()
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM after the initialisation peak
+    reset_peak_rss()
     if mode == "bare":
         bare_step(model, batch)
     else:
         ours(model, batch, Path(out))
-    status = Path("/proc/self/status").read_text().splitlines()
-    print(next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:")))
+    print_peak_rss()
 
 
 def peak_rss(folder: Path) -> dict[str, float]:
-    def run(mode: str) -> int:
-        cmd = [sys.executable, __file__, "--rss-child", mode, str(folder / "rss.safetensors")]
-        return int(
-            subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()[-1]
-        )
-
-    bare, dump = run("bare"), run("dump")
+    bare, dump = (child_peak_rss(__file__, m, folder / "rss.safetensors") for m in ("bare", "dump"))
     return {"bare_rss_mb": bare / 1e6, "dump_grads_rss_mb": dump / 1e6, "rss_ratio": dump / bare}
 
 

@@ -373,7 +373,6 @@ def run_grads(
         "wrt": list(spec.wrt),
         "keys": [*sink.candidates, *param_keys],
         "params": param_keys,
-        "computed": list(sink.written) + param_keys,
         "no_path": sink.no_path,
         "vanishing": spec.vanishing,
         "exploding": spec.exploding,

@@ -246,7 +246,7 @@ def dump_json(dump: Dump) -> dict[str, Any]:
             if key in grad.get("jacobian", {}):
                 entry["jacobian"] = grad["jacobian"][key]
             entries.append(entry)
-        summary = {k: v for k, v in grad.items() if k not in ("keys", "computed", "jacobian")}
+        summary = {k: v for k, v in grad.items() if k not in ("keys", "jacobian")}
         out["gradients"] = {**summary, "tensors": entries}
     return out
 
