@@ -1,0 +1,126 @@
+"""Recorder: turns what the hooks see into named events for a sink.
+
+An event is a new distinct tensor, an alias of one already seen (dropout in eval mode and wrapper
+modules return their child's very tensor), or a value that is not a tensor. Sinks decide what to
+keep: `MemorySink` keeps tensors in memory, `dump.DumpWriter` computes statistics and streams them
+to disk.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from modeltap.capture.keys import INPUT_PART, _join, flatten, make_key
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Sink(Protocol):
+    def tensor(self, key: str, tensor: torch.Tensor) -> None: ...
+
+    def alias(self, key: str, target: str) -> None: ...
+
+
+@dataclass
+class Recorder:
+    """Names what the hooks see and hands it to a sink; remembers order, aliases and skips."""
+
+    sink: Sink
+    order: list[str] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    skipped_none: int = 0
+    _calls: dict[tuple[str, bool], int] = field(default_factory=dict)
+    # (storage, offset, shape, stride, dtype, device, version) -> (weak tensor, key)
+    _seen: dict[tuple[Any, ...], tuple[weakref.ref[Any], str]] = field(default_factory=dict)
+
+    def record(self, module: str, value: Any, *, is_input: bool = False) -> None:
+        import torch
+
+        call = self._calls.get((module, is_input), 0)
+        self._calls[(module, is_input)] = call + 1
+        if not is_input and isinstance(value, torch.Tensor):  # the common case, kept cheap
+            self._tensor(make_key(module, call), value)
+            return
+        for path, leaf in flatten(value):
+            part = _join(INPUT_PART, path) if is_input else path
+            key = make_key(module, call, part)
+            if isinstance(leaf, torch.Tensor):
+                self._tensor(key, leaf)
+            elif leaf is None:
+                self.skipped_none += 1
+            else:
+                self.skipped[key] = type(leaf).__name__
+
+    def _tensor(self, key: str, tensor: torch.Tensor) -> None:
+        self.order.append(key)
+        try:
+            # data_ptr() already includes the storage offset.
+            fingerprint: tuple[Any, ...] = (
+                tensor.data_ptr(),
+                tensor.shape,
+                tensor.stride(),
+                tensor.dtype,
+                tensor.device,
+                tensor._version,
+            )
+        except RuntimeError:  # sparse and other layouts without one data pointer
+            fingerprint = (id(tensor), tensor._version)
+        seen = self._seen.get(fingerprint)
+        # A dead weak reference means the memory was freed and reused: a different tensor.
+        if seen is not None and seen[0]() is not None:
+            self.aliases[key] = seen[1]
+            self.sink.alias(key, seen[1])
+            return
+        self._seen[fingerprint] = (weakref.ref(tensor), key)
+        self.sink.tensor(key, tensor)
+
+
+@dataclass
+class Captured:
+    """What an in-memory capture holds: distinct tensors, aliases and the run's bookkeeping."""
+
+    tensors: dict[str, torch.Tensor]
+    aliases: dict[str, str]
+    order: list[str]
+    skipped: dict[str, str]
+    output: Any
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[self.aliases.get(key, key)]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.tensors or key in self.aliases
+
+    def keys(self) -> list[str]:
+        return list(self.order)
+
+
+class MemorySink:
+    """Keeps a reference to each distinct tensor and its version, to notice later in-place changes.
+
+    Holding references costs nothing at capture time; a tensor that the model changed in place after
+    its module returned (`x += residual`, ReLU(inplace=True)) is caught by its version counter, and
+    `capture` runs again, copying just those tensors at the moment their module returns.
+    """
+
+    def __init__(self, copy_keys: frozenset[str] = frozenset()) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.versions: dict[str, int] = {}
+        self.copy_keys = copy_keys
+
+    def tensor(self, key: str, tensor: torch.Tensor) -> None:
+        value = tensor.detach()
+        if key in self.copy_keys:
+            value = value.clone()
+        self.tensors[key] = value
+        self.versions[key] = value._version
+
+    def alias(self, key: str, target: str) -> None:
+        pass
+
+    def changed(self) -> frozenset[str]:
+        return frozenset(k for k, t in self.tensors.items() if t._version != self.versions[k])

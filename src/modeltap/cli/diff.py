@@ -1,0 +1,108 @@
+"""`modeltap diff`: compare two dumps, exit 0 within tolerance and 1 beyond."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from modeltap.cli.app import app, handle_errors, settings, stdout, write_atomically
+from modeltap.cli.options import (
+    ConfigOpt,
+    ExcludeOpt,
+    JsonOpt,
+)
+from modeltap.errors import InputError
+
+
+@app.command("diff")
+@handle_errors
+def diff_command(
+    a: Annotated[Path, typer.Argument(help="First dump, e.g. the candidate.")],
+    b: Annotated[
+        Path, typer.Argument(help="Second dump; rtol is relative to |B|, as torch.allclose(A, B).")
+    ],
+    atol: Annotated[float | None, typer.Option(help="Absolute tolerance [default: 1e-8].")] = None,
+    rtol: Annotated[float | None, typer.Option(help="Relative tolerance [default: 1e-5].")] = None,
+    preset: Annotated[
+        str | None,
+        typer.Option(help="Tolerances from configs/tolerances.toml: exact, fp32, tf32, bf16..."),
+    ] = None,
+    map_: Annotated[
+        list[str] | None,
+        typer.Option("--map", help="Rename A's keys to B's: OLD=NEW globs ('bert.*=*')."),
+    ] = None,
+    include: Annotated[list[str] | None, typer.Option("--include", "-i", help="Key glob.")] = None,
+    exclude: ExcludeOpt = None,
+    equal_nan: Annotated[
+        bool | None, typer.Option("--equal-nan/--nan-differs", help="Count NaN == NaN as equal.")
+    ] = None,
+    upcast: Annotated[
+        bool | None,
+        typer.Option(
+            "--upcast/--no-upcast", help="Compare tensors of different dtypes in float64."
+        ),
+    ] = None,
+    strict: Annotated[
+        bool | None, typer.Option("--strict/--lenient", help="Keys on one side only fail too.")
+    ] = None,
+    show_all: Annotated[bool, typer.Option("--all", help="List every pair, in order.")] = False,
+    json_out: JsonOpt = False,
+    junit: Annotated[
+        Path | None, typer.Option(help="Also write JUnit XML, one test case per tensor.")
+    ] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Compare two dumps; exit 0 when every tensor is within tolerance, 1 when not."""
+    from modeltap.config import tolerance_preset
+    from modeltap.diff import Tolerance, diff_dumps, junit_xml
+    from modeltap.dump import check_writable
+
+    s = settings(
+        "diff",
+        config,
+        preset=preset,
+        map=map_ or [],
+        include=include or [],
+        exclude=exclude or [],
+        equal_nan=equal_nan,
+        upcast=upcast,
+        strict=strict,
+    )
+    # Precedence for tolerances: settings files and env < preset < --atol/--rtol.
+    values = {"atol": s.atol, "rtol": s.rtol}
+    if s.preset:
+        values.update(tolerance_preset(s.preset))
+    values.update({k: v for k, v in {"atol": atol, "rtol": rtol}.items() if v is not None})
+    if values["atol"] < 0 or values["rtol"] < 0:
+        raise InputError("--atol and --rtol must be 0 or more")
+    if junit is not None:
+        check_writable(junit)
+    overrides = [(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()]
+    report = diff_dumps(
+        a,
+        b,
+        tolerance=Tolerance(**values),
+        overrides=overrides,
+        rename=s.map,
+        include=s.include,
+        exclude=s.exclude,
+        equal_nan=s.equal_nan,
+        upcast=s.upcast,
+        strict=s.strict,
+    )
+    if junit is not None:
+        write_atomically(junit, junit_xml(report))
+    if json_out:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        from modeltap.render import diff_heading, diff_table
+
+        console = stdout()
+        console.print(diff_heading(report))
+        table = diff_table(report, show_all=show_all, width=console.width)
+        if table.row_count:
+            console.print(table)
+    raise typer.Exit(0 if report.passed else 1)

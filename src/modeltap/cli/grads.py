@@ -1,0 +1,107 @@
+"""`modeltap grads`: gradients w.r.t. the selected modules, in one backward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from modeltap.cli.app import app, handle_errors, settings
+from modeltap.cli.dump import run_dump
+from modeltap.cli.options import (
+    ConfigOpt,
+    DepthOpt,
+    DeviceOpt,
+    DTypeOpt,
+    ExcludeOpt,
+    ExplodingOpt,
+    GradOutputOpt,
+    IncludeOpt,
+    InputFileOpt,
+    JacobianOpt,
+    JsonOpt,
+    LossOpt,
+    ModelArg,
+    ModelClassOpt,
+    ParamsOpt,
+    ProbesOpt,
+    RevisionOpt,
+    StatsOnlyOpt,
+    TargetOpt,
+    TextArg,
+    TokenizerOpt,
+    TrainModeOpt,
+    TrustOpt,
+    VanishingOpt,
+    WrtOpt,
+)
+
+
+@app.command()
+@handle_errors
+def grads(
+    model: ModelArg = None,
+    text: TextArg = None,
+    target: TargetOpt = None,
+    wrt: WrtOpt = None,
+    loss: LossOpt = None,
+    grad_output: GradOutputOpt = None,
+    params: ParamsOpt = None,
+    jacobian_norm: JacobianOpt = None,
+    probes: ProbesOpt = None,
+    vanishing: VanishingOpt = None,
+    exploding: ExplodingOpt = None,
+    input_file: InputFileOpt = None,
+    depth: DepthOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="Output file [default: <model name>.grads.safetensors]."),
+    ] = None,
+    stats_only: StatsOnlyOpt = None,
+    json_out: JsonOpt = False,
+    revision: RevisionOpt = None,
+    model_class: ModelClassOpt = None,
+    tokenizer: TokenizerOpt = None,
+    trust_remote_code: TrustOpt = None,
+    dtype: DTypeOpt = None,
+    device: DeviceOpt = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed of the run and of random probes [default: 0].")
+    ] = None,
+    train_mode: TrainModeOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Gradients of a module's output (or a loss) w.r.t. the selected modules, in one backward."""
+    s = settings(
+        "grads",
+        config,
+        model=model,
+        texts=text or [],
+        input_file=str(input_file) if input_file else None,
+        depth=depth,
+        include=include or [],
+        exclude=exclude or [],
+        out=str(out) if out else None,
+        stats_only=stats_only,
+        revision=revision,
+        model_class=model_class,
+        tokenizer=tokenizer,
+        trust_remote_code=trust_remote_code,
+        dtype=dtype.value if dtype else None,
+        device=device.value if device else None,
+        seed=seed,
+        train_mode=train_mode,
+        target=target,
+        wrt=wrt or [],
+        loss=loss,
+        grad_output=grad_output,
+        params=params,
+        jacobian_norm=jacobian_norm,
+        probes=probes,
+        vanishing=vanishing,
+        exploding=exploding,
+    )
+    run_dump(s, json_out=json_out, grads=True, activations=False)

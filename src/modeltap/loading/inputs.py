@@ -1,0 +1,170 @@
+"""Inputs: sentences through a tokenizer, or tensors from a file; checked against forward."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from modeltap.errors import InputError, first_line
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+@dataclass
+class Inputs:
+    """Arguments for forward, and how to describe them in a dump's metadata."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    description: dict[str, Any]
+
+    @property
+    def attention_mask(self) -> torch.Tensor | None:
+        mask = self.kwargs.get("attention_mask")
+        return mask if mask is not None and mask.dim() == 2 else None
+
+    def to(self, device: str, float_dtype: torch.dtype) -> Inputs:
+        def move(t: Any) -> Any:
+            if not hasattr(t, "to"):
+                return t
+            return t.to(device, float_dtype) if t.is_floating_point() else t.to(device)
+
+        args = tuple(move(a) for a in self.args)
+        kwargs = {k: move(v) for k, v in self.kwargs.items()}
+        return Inputs(args, kwargs, self.description)
+
+
+def text_inputs(tokenizer: Any, texts: list[str]) -> Inputs:
+    """Sentences as one padded batch with attention mask."""
+    notes = {}
+    if getattr(tokenizer, "pad_token", None) is None and len(texts) > 1:
+        if getattr(tokenizer, "eos_token", None) is None:
+            raise InputError("the tokenizer has no pad token to batch several texts; give one text")
+        tokenizer.pad_token = tokenizer.eos_token
+        notes["pad_token"] = "eos_token"
+    encoded = tokenizer(list(texts), return_tensors="pt", padding=True)
+    kwargs = dict(encoded)
+    description: dict[str, Any] = {"texts": list(texts), **notes}
+    description["tensors"] = {k: list(v.shape) for k, v in kwargs.items()}
+    return Inputs((), kwargs, description)
+
+
+def file_inputs(path: str | os.PathLike[str]) -> Inputs:
+    """Tensors from .safetensors, .npy/.npz or .pt (weights_only): named ones become keywords."""
+    import torch
+
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"no input file '{p}'; check --input-file")
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            loaded: Any = load_file(str(p))
+        elif suffix in (".npy", ".npz"):
+            import numpy as np
+
+            raw = np.load(p, allow_pickle=False)
+            if suffix == ".npy":
+                loaded = torch.from_numpy(np.ascontiguousarray(raw))
+            else:
+                loaded = {k: torch.from_numpy(np.ascontiguousarray(raw[k])) for k in raw.files}
+        elif suffix in (".pt", ".pth"):
+            loaded = torch.load(p, map_location="cpu", weights_only=True)
+        else:
+            raise InputError(
+                f"input file '{p.name}' has an unknown type; use .safetensors, .npy, .npz or .pt"
+            )
+    except InputError:
+        raise
+    except Exception as exc:  # each reader raises its own kinds for a corrupt file
+        raise InputError(f"can't read input file '{p}' ({first_line(exc)}); check it") from exc
+    description: dict[str, Any] = {"file": p.name, "sha256": _sha256(p)}
+    if isinstance(loaded, torch.Tensor):
+        description["tensors"] = {"0": list(loaded.shape)}
+        return Inputs((loaded,), {}, description)
+    if (
+        isinstance(loaded, dict)
+        and loaded
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items())
+    ):
+        description["tensors"] = {k: list(v.shape) for k, v in loaded.items()}
+        return Inputs((), dict(loaded), description)
+    raise InputError(f"input file '{p.name}' must hold one tensor or a mapping of names to tensors")
+
+
+def check_forward_names(model: nn.Module, inputs: Inputs) -> None:
+    """Named inputs must be arguments of forward: say which ones are, before running anything."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        accepted = [n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        unknown = [k for k in inputs.kwargs if k not in params]
+        # **kwargs swallows anything, but a name close to a real argument is almost surely a typo.
+        from modeltap.selection import suggest
+
+        for name in unknown:
+            guess = suggest(name, accepted)
+            if guess:
+                raise InputError(
+                    f"input '{name}' is not an argument of {type(model).__name__}.forward; "
+                    f"did you mean '{guess}'?"
+                )
+        return
+    unknown = [k for k in inputs.kwargs if k not in params]
+    if unknown:
+        names = ", ".join(n for n in params if n != "self")
+        raise InputError(
+            f"input '{unknown[0]}' is not an argument of {type(model).__name__}.forward; "
+            f"rename it to one of: {names}"
+        )
+
+
+def add_decoder_inputs(model: nn.Module, inputs: Inputs) -> Inputs:
+    """Encoder-decoder models get the decoder start token when no decoder input was given."""
+    import torch
+
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "is_encoder_decoder", False):
+        return inputs
+    if any(k.startswith("decoder_") and "input" in k for k in inputs.kwargs):
+        return inputs
+    start = getattr(config, "decoder_start_token_id", None)
+    if start is None:
+        start = getattr(getattr(config, "decoder", None), "bos_token_id", None)
+    if start is None:
+        start = getattr(config, "pad_token_id", None)
+    if start is None:
+        raise InputError(
+            f"{type(model).__name__} needs decoder inputs and its config has no "
+            "decoder_start_token_id; give decoder_input_ids in --input-file"
+        )
+    batch = _batch_size(inputs)
+    kwargs = dict(inputs.kwargs)
+    kwargs["decoder_input_ids"] = torch.full((batch, 1), int(start), dtype=torch.long)
+    description = dict(inputs.description, decoder_input_ids=f"decoder start token {start}")
+    return Inputs(inputs.args, kwargs, description)
+
+
+def _batch_size(inputs: Inputs) -> int:
+    for value in (*inputs.args, *inputs.kwargs.values()):
+        if hasattr(value, "shape") and len(value.shape):
+            return int(value.shape[0])
+    return 1
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
