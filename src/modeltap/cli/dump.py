@@ -31,7 +31,6 @@ from modeltap.cli.options import (
     TrainModeOpt,
     TrustOpt,
 )
-from modeltap.cli.show import print_opened
 from modeltap.config import Settings
 from modeltap.errors import InputError
 
@@ -161,6 +160,7 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
             mask_token_id=getattr(tok, "mask_token_id", None),
             special_ids=tuple(getattr(tok, "all_special_ids", ())),
         )
+    from modeltap.cli.show import print_opened
     from modeltap.dump import load_dump
 
     print_opened(load_dump(written), json_out=json_out)
