@@ -249,3 +249,16 @@ def test_table_keeps_every_number_column_at_80_columns(ref, tmp_path):
     assert lines[0].split() == ["key", "status", "max", "abs", "max", "rel", "cosine", "out"]
     assert all(len(line) <= 80 for line in lines)
     assert "…" in lines[1] and lines[1].rstrip().endswith("%")  # key cut, numbers whole
+
+
+def test_all_nan_pair_with_junit_says_nan_and_suggests_equal_nan(tmp_path):
+    # A NaN model diffed with itself: no finite position at all, the case the CI recipe is for.
+    save_file({"t": torch.full((2, 3), float("nan"))}, tmp_path / "n.safetensors")
+    junit = tmp_path / "r.xml"
+    result = invoke(tmp_path / "n.safetensors", tmp_path / "n.safetensors", "--junit", junit)
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert "NaN" in result.output and "--equal-nan" in result.output
+    failure = ET.parse(junit).getroot().find("testcase/failure")
+    assert "6 NaN mismatches" in failure.get("message")
+    assert "--equal-nan" in failure.get("message")

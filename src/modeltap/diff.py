@@ -422,10 +422,24 @@ def failure_message(pair: Pair) -> str:
         return f"shape {pair.shape} vs {pair.other_shape}"
     if pair.status == "dtype":
         return f"dtype {pair.dtype} vs {pair.other_dtype} (--upcast compares them in float64)"
-    return (
+    parts = [
         f"{pair.out_count} of {pair.numel} elements out of tolerance "
-        f"(atol={pair.atol:g}, rtol={pair.rtol:g}); max abs {pair.max_abs:.3g}, "
-        f"max rel {pair.max_rel if pair.max_rel is not None else float('nan'):.3g}, "
-        f"cosine {pair.cosine if pair.cosine is not None else float('nan'):.9f}"
-        + (f", {pair.nan_mismatch} NaN mismatches" if pair.nan_mismatch else "")
-    )
+        f"(atol={pair.atol:g}, rtol={pair.rtol:g})"
+    ]
+    if pair.max_abs is None:
+        parts.append("no position is finite on both sides")
+    else:
+        parts.append(f"max abs {pair.max_abs:.3g}")
+        if pair.max_rel is not None:
+            parts.append(f"max rel {pair.max_rel:.3g}")
+        if pair.cosine is not None:
+            parts.append(f"cosine {pair.cosine:.9f}")
+    note = nan_note(pair)
+    return "; ".join(parts) + (f"; {note}" if note else "")
+
+
+def nan_note(pair: Pair) -> str:
+    """What NaN did to a pair, with the option that changes it ('' when NaN played no part)."""
+    if not pair.nan_mismatch:
+        return ""
+    return f"{pair.nan_mismatch} NaN mismatches (--equal-nan counts NaN == NaN as equal)"

@@ -41,10 +41,20 @@ def _plain_table() -> Table:
     )
 
 
-def fmt(value: float | None) -> str:
-    """Four significant digits in at most 8 characters: 0.007522, 886.7, -1.79e-4, 3.4e+38."""
+# A value this small next to its tensor's scale (absmax) is float rounding, shown as `~0`.
+NEGLIGIBLE = 1e-6
+
+
+def fmt(value: float | None, scale: float | None = None) -> str:
+    """Four significant digits in at most 8 characters: 0.007522, 886.7, -1.79e-4, 3.4e+38.
+
+    With `scale` (the tensor's absmax), a nonzero value below NEGLIGIBLE x scale shows as `~0`:
+    a LayerNorm output's mean of 6e-9 is rounding noise whose digits differ between CPUs.
+    """
     if value is None:
         return "-"
+    if scale and value and math.isfinite(scale) and abs(value) < NEGLIGIBLE * scale:
+        return "~0"
     if value == 0 or (math.isfinite(value) and 1e-3 <= abs(value) < 1e4):
         return f"{value:.4g}"
     if not math.isfinite(value):
@@ -160,7 +170,8 @@ def _stats_cells(
     cells: list[Any] = [name, Text(fmt_shape(stats.shape), style=style)]
     if wide:
         cells.append(Text(stats.dtype, style=style))
-    cells += [Text(fmt(stats.norm), style=style), Text(fmt(stats.mean), style=style)]
+    scale = stats.absmax
+    cells += [Text(fmt(stats.norm), style=style), Text(fmt(stats.mean, scale), style=style)]
     if wide:
         cells += [Text(fmt(v), style=style) for v in (stats.std, stats.min, stats.max)]
     else:
@@ -300,6 +311,14 @@ def diff_heading(report: DiffReport) -> Text:
             text.append(f"\n{downstream} later tensors differ downstream of it")
     elif report.failed and not report.ordered:
         text.append("\nno execution order in A (not a modeltap dump): worst tensors first")
+    with_nan = [p for p in report.failed if p.nan_mismatch]
+    if with_nan:
+        text.append(
+            f"\n{len(with_nan)} tensors out of tolerance hold NaN "
+            f"({sum(p.nan_mismatch for p in with_nan)} NaN mismatches); "
+            "--equal-nan counts NaN == NaN as equal",
+            style="yellow",
+        )
     return text
 
 
@@ -308,7 +327,13 @@ def _diff_summary(pair: DiffPair) -> str:
         return f"shape {fmt_shape(pair.shape)} vs {fmt_shape(pair.other_shape or [])}"
     if pair.status == "dtype":
         return f"dtype {pair.dtype} vs {pair.other_dtype}; --upcast compares the values"
-    return f"max abs {fmt(pair.max_abs)}, max rel {fmt(pair.max_rel)}, {pair.out_fraction:.1%} out"
+    from modeltap.diff import nan_note
+
+    if pair.max_abs is None:
+        return f"no position finite on both sides, {pair.out_fraction:.1%} out; {nan_note(pair)}"
+    text = f"max abs {fmt(pair.max_abs)}, max rel {fmt(pair.max_rel)}, {pair.out_fraction:.1%} out"
+    note = nan_note(pair)
+    return f"{text}; {note}" if note else text
 
 
 def diff_table(report: DiffReport, *, show_all: bool = False, width: int = 80) -> Table:
@@ -342,7 +367,7 @@ def diff_table(report: DiffReport, *, show_all: bool = False, width: int = 80) -
         table.add_row(
             Text(name, style=style),
             Text(status, style=style),
-            fmt(pair.max_abs),
+            "NaN" if pair.max_abs is None and pair.nan_mismatch else fmt(pair.max_abs),
             fmt(pair.max_rel),
             cosine,
             out,
@@ -445,7 +470,7 @@ def grads_table(dump: Dump, *, width: int = 80) -> Table:
         est = jacobian.get(key)
         values = {
             "norm": fmt(st.norm),
-            "mean": fmt(st.mean),
+            "mean": fmt(st.mean, st.absmax),
             "absmax": fmt(st.absmax),
             "nan/inf": f"{st.nan}/{st.inf}" if st.nan or st.inf else "0",
             "zeros": zeros,
