@@ -129,7 +129,8 @@ def test_show_plain_safetensors(tmp_path):
         (["{bert}", "--input-file", "{misnamed}"], "input 'input_idz'"),
         (["{bert}", "hi", "--include", "encoder.layr.0"], "did you mean 'encoder.layer.0'"),
         (["{bert}", "hi", "--include", "decoder.*"], "matches no module"),
-        (["{bert}", "hi", "-o", "no/such/dir/d.safetensors"], "does not exist"),
+        (["{bert}", "hi", "-o", "garbage.safetensors/d.safetensors"], "is a file"),
+        (["{bert}", "hi", "-o", "d.safetensors", "--max-length", "0"], "--max-length"),
         (["{bert}", "hi", "--model-class", "AutoNope"], "not a transformers model class"),
         (["org/not-cached", "hi"], "not in the Hugging Face cache"),
         ([], "no MODEL given"),
@@ -179,3 +180,112 @@ def test_help_does_not_import_torch():
         [sys.executable, "-m", "modeltap", "--help"], capture_output=True, text=True, check=True
     )
     assert "dump" in help_run.stdout
+
+
+COMMANDS = ["dump", "grads", "show", "ls", "diff"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_reads_well_at_80_columns(command):
+    result = runner.invoke(app, [command, "--help"], terminal_width=80, env={"COLUMNS": "80"})
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, "\n".join(lines)
+    # Typer's rich help swallowed `[default: ...]`, showed `<bool>` for flags, cut names.
+    assert "<bool>" not in result.stdout and "list[str]" not in result.stdout
+    assert "…" not in result.stdout and "..." not in result.stdout.split("Usage")[0]
+    assert "[default:" in result.stdout or command in ("show",)
+
+
+def test_dump_help_groups_options_in_panels():
+    text = runner.invoke(app, ["dump", "--help"], terminal_width=80).stdout
+    headings = [line.rstrip(":") for line in text.splitlines() if line and not line[0].isspace()]
+    for panel in ("Arguments", "Inputs", "Selection", "Loading", "Output", "Gradients"):
+        assert panel in headings, headings
+    gradients = text.split("\nGradients:")[1]
+    assert "--target" in gradients and "--target" not in text.split("\nGradients:")[0]
+    assert "[default: float32]" in text
+
+
+def test_sigterm_mid_dump_leaves_no_file(bert_dir, tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from modeltap.dump import DumpWriter
+
+    original = DumpWriter.tensor
+    calls = []
+
+    def terminated_midway(self, key, tensor, **kwargs):
+        calls.append(key)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # as `timeout` or a CI cancel would
+        return original(self, key, tensor, **kwargs)
+
+    monkeypatch.setattr(DumpWriter, "tensor", terminated_midway)
+    result = invoke("dump", bert_dir, "hello world", "-o", "d.safetensors")
+    assert result.exit_code == 128 + signal.SIGTERM, result.output
+    assert "interrupted; nothing was written" in result.stderr
+    assert not list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob(".*"))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler restored
+
+
+def test_full_disk_is_one_line_exit_2_and_no_file(bert_dir, tmp_path, monkeypatch):
+    import errno
+
+    from modeltap.dump import DumpWriter
+
+    def no_space(self, key, tensor, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DumpWriter, "tensor", no_space)
+    result = invoke("dump", bert_dir, "hello world", "-o", "d.safetensors")
+    assert_clean_error(result, "no space left", tmp_path)
+    assert "-o/--out" in result.stderr
+
+
+def test_input_longer_than_positions_names_max_length(bert_dir, tmp_path):
+    long_text = " ".join(["hello world"] * 100)  # > 64 positions of the tiny BERT
+    assert_clean_error(
+        invoke("dump", bert_dir, long_text, "-o", "d.safetensors"), "at most 64 tokens", tmp_path
+    )
+    result = invoke("dump", bert_dir, long_text, "--max-length", "64", "-o", "d.safetensors")
+    assert result.exit_code == 0, result.output
+    inputs = json.loads(load_dump(tmp_path / "d.safetensors").metadata["inputs"])
+    assert inputs["tensors"]["input_ids"] == [1, 64] and inputs["max_length"] == 64
+
+
+def test_config_example_writes_into_a_new_folder(bert_dir, tmp_path):
+    (tmp_path / "modeltap.toml").write_text(
+        f'model = "{bert_dir}"\n[dump]\ntexts = ["hello"]\nout = "runs/first.safetensors"\n'
+    )
+    result = invoke("dump")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "runs" / "first.safetensors").is_file()
+
+
+def test_errors_that_need_no_weights_come_before_loading(bert_dir, tmp_path, monkeypatch):
+    import modeltap.loading
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(modeltap.loading, "load_model", no_loading)
+    (tmp_path / "garbage.safetensors").write_bytes(b"garbage")
+    assert_clean_error(
+        invoke("dump", bert_dir, "hi", "--include", "encoder.layr.0"), "did you mean"
+    )
+    assert_clean_error(
+        invoke("dump", bert_dir, "--input-file", "garbage.safetensors"), "can't read input file"
+    )
+
+
+class Note:
+    """Any class of the user's: unpickling it would run code."""
+
+
+def test_pickled_input_file_gets_modeltaps_own_hint(bert_dir, tmp_path):
+    torch.save({"input_ids": torch.tensor([[1, 2]]), "note": Note()}, "x.pt")
+    result = invoke("dump", bert_dir, "--input-file", "x.pt", "-o", "d.safetensors")
+    assert_clean_error(result, "never unpickles", tmp_path)
+    assert "weights_only" not in result.stderr and "safetensors" in result.stderr

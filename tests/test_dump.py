@@ -1,5 +1,8 @@
 import json
+import os
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -120,8 +123,9 @@ def test_memory_capture_and_dump_agree_on_keys(tmp_path):
 
 
 def test_unwritable_destinations(tmp_path):
-    with pytest.raises(InputError, match="does not exist"):
-        DumpWriter(tmp_path / "nope" / "d.safetensors")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InputError, match="is a file"):
+        DumpWriter(tmp_path / "file" / "d.safetensors")
     with pytest.raises(InputError, match="is a directory"):
         DumpWriter(tmp_path)
 
@@ -161,3 +165,43 @@ def test_reader_views_are_private_and_misaligned_tensors_still_read(tmp_path):
     dump["odd"].add_(1)  # a copy-on-write page: the file is untouched
     assert path.read_bytes() == before
     assert torch.equal(load_dump(path)["odd"], odd)
+
+
+def test_missing_output_folders_are_created(tmp_path):
+    path = tmp_path / "runs" / "exp" / "d.safetensors"
+    with DumpWriter(path) as writer:
+        writer.tensor("x", torch.ones(2))
+        writer.finish({})
+    assert load_dump(path)["x"].tolist() == [1.0, 1.0]
+
+
+def test_symlinked_output_is_written_through_to_its_target(tmp_path):
+    target = tmp_path / "store" / "real.safetensors"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(target)
+    with DumpWriter(link) as writer:
+        writer.tensor("x", torch.arange(3.0))
+        writer.finish({})
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert load_dump(target)["x"].tolist() == [0.0, 1.0, 2.0]
+    assert not list(tmp_path.glob(".*tmp")) and not list(target.parent.glob(".*tmp"))
+
+
+def test_stale_temp_files_of_dead_writers_are_removed(tmp_path):
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stale = tmp_path / f".old.safetensors.{dead.stdout.strip()}.tmp"
+    stale.write_bytes(b"\0" * 64)
+    live = tmp_path / f".other.safetensors.{os.getppid()}.tmp"  # a live process's: kept
+    live.write_bytes(b"\0")
+    unrelated = tmp_path / ".notes.99999999.tmp"  # not our naming: kept
+    unrelated.write_bytes(b"\0")
+    with DumpWriter(tmp_path / "new.safetensors") as writer:
+        writer.finish({})
+    assert not stale.exists() and live.exists() and unrelated.exists()

@@ -42,6 +42,7 @@ class Settings:
     revision: str | None = None
     model_class: str = "AutoModel"
     tokenizer: str | None = None
+    max_length: int | None = None
     trust_remote_code: bool = False
     dtype: str = "float32"
     device: str = "cpu"
@@ -82,6 +83,7 @@ _TYPES: dict[str, type] = {
     "train_mode": bool,
     "depth": int,
     "seed": int,
+    "max_length": int,
     "dead_threshold": float,
     "atol": float,
     "rtol": float,

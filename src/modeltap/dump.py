@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import struct
 import sys
 from collections.abc import Iterator
@@ -92,15 +93,73 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def write_target(path: Path) -> Path:
+    """Where writing `path` really lands: through a symbolic link to its target, as `cp` does.
+
+    The link stays a link and now points at the new file; a dangling link creates its target.
+    """
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
 def check_writable(path: Path) -> None:
-    """Fail before any work when the dump could not be written."""
-    parent = path.parent if str(path.parent) else Path(".")
+    """Fail before any work when the dump could not be written.
+
+    Missing folders are fine (the writer creates them); the nearest existing one must be a
+    writable folder.
+    """
+    path = write_target(path)
     if path.is_dir():
         raise InputError(f"output '{path}' is a directory; give a file name with -o/--out")
-    if not parent.is_dir():
-        raise InputError(f"output folder '{parent}' does not exist; create it or change -o/--out")
-    if not os.access(parent, os.W_OK):
-        raise InputError(f"output folder '{parent}' is not writable; change -o/--out")
+    parent = path.parent if str(path.parent) else Path(".")
+    existing = parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputError(f"output folder '{parent}' can't be made: '{existing}' is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"output folder '{existing}' is not writable; change -o/--out")
+
+
+def temp_path(path: Path) -> Path:
+    """The hidden file beside `path` that a write goes to before it is moved into place."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+_TEMP_NAME = re.compile(r"^\.(?P<name>.+\.safetensors)\.(?P<pid>\d+)\.tmp(\.2)?$")
+
+
+def remove_stale_temps(folder: Path) -> list[Path]:
+    """Delete dump temp files in `folder` whose writing process is gone (killed with SIGKILL, a
+    power cut): ours by name (`.NAME.safetensors.PID.tmp`), never a live process's."""
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _TEMP_NAME.match(entry.name)
+        if match is None or not entry.is_file(follow_symlinks=False):
+            continue
+        if _alive(int(match["pid"])):
+            continue
+        try:
+            os.unlink(entry.path)
+            removed.append(Path(entry.path))
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 class DumpWriter:
@@ -119,7 +178,7 @@ class DumpWriter:
         row_mask: torch.Tensor | None = None,
         reserve: int = 1 << 16,
     ) -> None:
-        self.path = Path(path)
+        self.path = write_target(Path(path))
         check_writable(self.path)
         self.stats_only = stats_only
         self.dead_threshold = dead_threshold
@@ -129,10 +188,12 @@ class DumpWriter:
         self._entries: dict[str, dict[str, Any]] = {}
         self._reserve = _align(reserve)
         self._offset = 0
-        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self._tmp = temp_path(self.path)
         self._file: Any = None
 
     def __enter__(self) -> DumpWriter:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(self.path.parent)
         self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in finish() or abort()
         self._file.write(b"\0" * (8 + self._reserve))
         return self

@@ -10,6 +10,9 @@ import typer
 
 from modeltap.cli.app import app, handle_errors, settings, stdout, write_atomically
 from modeltap.cli.options import (
+    KEYS,
+    OUTPUT,
+    TOL,
     ConfigOpt,
     ExcludeOpt,
     JsonOpt,
@@ -20,38 +23,76 @@ from modeltap.errors import InputError
 @app.command("diff")
 @handle_errors
 def diff_command(
-    a: Annotated[Path, typer.Argument(help="First dump, e.g. the candidate.")],
+    a: Annotated[Path, typer.Argument(help="First dump, e.g. the candidate.", metavar="A")],
     b: Annotated[
-        Path, typer.Argument(help="Second dump; rtol is relative to |B|, as torch.allclose(A, B).")
+        Path,
+        typer.Argument(
+            help="Second dump; rtol is relative to |B|, as torch.allclose(A, B).", metavar="B"
+        ),
     ],
-    atol: Annotated[float | None, typer.Option(help="Absolute tolerance [default: 1e-8].")] = None,
-    rtol: Annotated[float | None, typer.Option(help="Relative tolerance [default: 1e-5].")] = None,
+    atol: Annotated[
+        float | None,
+        typer.Option(help="Absolute tolerance [default: 1e-8].", metavar="X", rich_help_panel=TOL),
+    ] = None,
+    rtol: Annotated[
+        float | None,
+        typer.Option(help="Relative tolerance [default: 1e-5].", metavar="X", rich_help_panel=TOL),
+    ] = None,
     preset: Annotated[
         str | None,
-        typer.Option(help="Tolerances from configs/tolerances.toml: exact, fp32, tf32, bf16..."),
+        typer.Option(
+            help="Tolerances from configs/tolerances.toml: exact, fp32, tf32, bf16...",
+            metavar="NAME",
+            rich_help_panel=TOL,
+        ),
     ] = None,
     map_: Annotated[
         list[str] | None,
-        typer.Option("--map", help="Rename A's keys to B's: OLD=NEW globs ('bert.*=*')."),
+        typer.Option(
+            "--map",
+            help="Rename A's keys to B's: OLD=NEW globs ('bert.*=*').",
+            metavar="OLD=NEW",
+            rich_help_panel=KEYS,
+        ),
     ] = None,
-    include: Annotated[list[str] | None, typer.Option("--include", "-i", help="Key glob.")] = None,
+    include: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--include", "-i", help="Key glob; repeatable.", metavar="GLOB", rich_help_panel=KEYS
+        ),
+    ] = None,
     exclude: ExcludeOpt = None,
     equal_nan: Annotated[
-        bool | None, typer.Option("--equal-nan/--nan-differs", help="Count NaN == NaN as equal.")
+        bool | None,
+        typer.Option(
+            "--equal-nan/--nan-differs", help="Count NaN == NaN as equal.", rich_help_panel=TOL
+        ),
     ] = None,
     upcast: Annotated[
         bool | None,
         typer.Option(
-            "--upcast/--no-upcast", help="Compare tensors of different dtypes in float64."
+            "--upcast/--no-upcast",
+            help="Compare tensors of different dtypes in float64.",
+            rich_help_panel=TOL,
         ),
     ] = None,
     strict: Annotated[
-        bool | None, typer.Option("--strict/--lenient", help="Keys on one side only fail too.")
+        bool | None,
+        typer.Option(
+            "--strict/--lenient", help="Keys on one side only fail too.", rich_help_panel=KEYS
+        ),
     ] = None,
-    show_all: Annotated[bool, typer.Option("--all", help="List every pair, in order.")] = False,
+    show_all: Annotated[
+        bool, typer.Option("--all", help="List every pair, in order.", rich_help_panel=OUTPUT)
+    ] = False,
     json_out: JsonOpt = False,
     junit: Annotated[
-        Path | None, typer.Option(help="Also write JUnit XML, one test case per tensor.")
+        Path | None,
+        typer.Option(
+            help="Also write JUnit XML, one test case per tensor.",
+            metavar="FILE",
+            rich_help_panel=OUTPUT,
+        ),
     ] = None,
     config: ConfigOpt = None,
 ) -> None:

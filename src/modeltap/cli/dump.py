@@ -9,6 +9,9 @@ import typer
 
 from modeltap.cli.app import app, handle_errors, settings, stderr
 from modeltap.cli.options import (
+    GRADIENTS,
+    OUTPUT,
+    SELECTION,
     ConfigOpt,
     DepthOpt,
     DeviceOpt,
@@ -19,11 +22,13 @@ from modeltap.cli.options import (
     InputFileOpt,
     JsonOpt,
     LossOpt,
+    MaxLengthOpt,
     ModelArg,
     ModelClassOpt,
     OutOpt,
     ParamsOpt,
     RevisionOpt,
+    SeedOpt,
     StatsOnlyOpt,
     TargetOpt,
     TextArg,
@@ -45,7 +50,10 @@ def dump(
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     inputs: Annotated[
-        bool | None, typer.Option("--inputs/--no-inputs", help="Also capture module inputs.")
+        bool | None,
+        typer.Option(
+            "--inputs/--no-inputs", help="Also capture module inputs.", rich_help_panel=SELECTION
+        ),
     ] = None,
     out: OutOpt = None,
     stats_only: StatsOnlyOpt = None,
@@ -53,20 +61,27 @@ def dump(
     revision: RevisionOpt = None,
     model_class: ModelClassOpt = None,
     tokenizer: TokenizerOpt = None,
+    max_length: MaxLengthOpt = None,
     trust_remote_code: TrustOpt = None,
     dtype: DTypeOpt = None,
     device: DeviceOpt = None,
-    seed: Annotated[
-        int | None, typer.Option(help="torch seed set before the run [default: 0].")
-    ] = None,
+    seed: SeedOpt = None,
     train_mode: TrainModeOpt = None,
     dead_threshold: Annotated[
         float | None,
-        typer.Option(help="A unit is dead when never above this [default: 0]."),
+        typer.Option(
+            help="A unit is dead when never above this [default: 0].",
+            metavar="X",
+            rich_help_panel=OUTPUT,
+        ),
     ] = None,
     grads: Annotated[
         bool | None,
-        typer.Option("--grads/--no-grads", help="Also store gradients (see `modeltap grads`)."),
+        typer.Option(
+            "--grads/--no-grads",
+            help="Also store gradients (see `modeltap grads`).",
+            rich_help_panel=GRADIENTS,
+        ),
     ] = None,
     target: TargetOpt = None,
     loss: LossOpt = None,
@@ -90,6 +105,7 @@ def dump(
         revision=revision,
         model_class=model_class,
         tokenizer=tokenizer,
+        max_length=max_length,
         trust_remote_code=trust_remote_code,
         dtype=dtype.value if dtype else None,
         device=device.value if device else None,
@@ -136,10 +152,13 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
         raise InputError("nothing to run on; give TEXT or --input-file")
     path = Path(s.out) if s.out else default_out(s.model, grads_only=not activations)
     check_writable(path)
+    file_inputs_ = _check_before_loading(s)
 
     err = stderr()
     with err.status(f"loading {s.model}"):
-        loaded, inputs_, tok = _load_with_inputs(s, need_tokenizer=s.loss == "mlm")
+        loaded, inputs_, tok = _load_with_inputs(
+            s, need_tokenizer=s.loss == "mlm", file_inputs_=file_inputs_
+        )
     from modeltap.run import dump_model
     from modeltap.selection import Selection
 
@@ -167,11 +186,36 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
     err.print(f"wrote {written} ({written.stat().st_size / 1e6:.1f} MB)")
 
 
-def _load_with_inputs(s: Settings, *, need_tokenizer: bool = False) -> tuple[Any, Any, Any]:
+def _check_before_loading(s: Settings) -> Any:
+    """What can be checked without the weights is checked first, not after seconds of loading:
+    the input file (read now, returned), and the selection globs against the module tree built
+    on the meta device."""
+    from modeltap.loading import file_inputs, load_meta_model
+    from modeltap.selection import Selection, select_modules
+
+    inputs_ = file_inputs(s.input_file) if s.input_file else None
+    if s.include or s.exclude or s.depth is not None:
+        try:
+            meta_model, _ = load_meta_model(
+                s.model or "",
+                revision=s.revision,
+                model_class_name=s.model_class,
+                trust_remote_code=s.trust_remote_code,
+            )
+        except Exception:  # noqa: BLE001 - the real load reports what is wrong with the model
+            return inputs_
+        select_modules(meta_model, Selection(s.depth, tuple(s.include), tuple(s.exclude)))
+    return inputs_
+
+
+def _load_with_inputs(
+    s: Settings, *, need_tokenizer: bool = False, file_inputs_: Any = None
+) -> tuple[Any, Any, Any]:
     import torch
 
     from modeltap.loading import (
         add_decoder_inputs,
+        check_length,
         file_inputs,
         load_model,
         load_tokenizer,
@@ -190,7 +234,11 @@ def _load_with_inputs(s: Settings, *, need_tokenizer: bool = False) -> tuple[Any
     if s.texts or need_tokenizer:
         where = s.tokenizer or loaded.source.path
         tok = load_tokenizer(where, trust_remote_code=s.trust_remote_code)
-    inputs_ = text_inputs(tok, s.texts) if s.texts else file_inputs(s.input_file or "")
+    if s.texts:
+        inputs_ = text_inputs(tok, s.texts, max_length=s.max_length)
+    else:
+        inputs_ = file_inputs_ or file_inputs(s.input_file or "")
+    check_length(loaded.model, inputs_)
     inputs_ = add_decoder_inputs(loaded.model, inputs_)
     return loaded, inputs_.to(loaded.device, getattr(torch, loaded.dtype)), tok
 

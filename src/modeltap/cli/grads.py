@@ -10,6 +10,8 @@ import typer
 from modeltap.cli.app import app, handle_errors, settings
 from modeltap.cli.dump import run_dump
 from modeltap.cli.options import (
+    OUTPUT,
+    RUNNING,
     ConfigOpt,
     DepthOpt,
     DeviceOpt,
@@ -22,6 +24,7 @@ from modeltap.cli.options import (
     JacobianOpt,
     JsonOpt,
     LossOpt,
+    MaxLengthOpt,
     ModelArg,
     ModelClassOpt,
     ParamsOpt,
@@ -58,18 +61,30 @@ def grads(
     exclude: ExcludeOpt = None,
     out: Annotated[
         Path | None,
-        typer.Option("--out", "-o", help="Output file [default: <model name>.grads.safetensors]."),
+        typer.Option(
+            "--out",
+            "-o",
+            help="Output file [default: <model name>.grads.safetensors].",
+            metavar="FILE",
+            rich_help_panel=OUTPUT,
+        ),
     ] = None,
     stats_only: StatsOnlyOpt = None,
     json_out: JsonOpt = False,
     revision: RevisionOpt = None,
     model_class: ModelClassOpt = None,
     tokenizer: TokenizerOpt = None,
+    max_length: MaxLengthOpt = None,
     trust_remote_code: TrustOpt = None,
     dtype: DTypeOpt = None,
     device: DeviceOpt = None,
     seed: Annotated[
-        int | None, typer.Option(help="Seed of the run and of random probes [default: 0].")
+        int | None,
+        typer.Option(
+            help="Seed of the run and of random probes [default: 0].",
+            metavar="N",
+            rich_help_panel=RUNNING,
+        ),
     ] = None,
     train_mode: TrainModeOpt = None,
     config: ConfigOpt = None,
@@ -89,6 +104,7 @@ def grads(
         revision=revision,
         model_class=model_class,
         tokenizer=tokenizer,
+        max_length=max_length,
         trust_remote_code=trust_remote_code,
         dtype=dtype.value if dtype else None,
         device=device.value if device else None,

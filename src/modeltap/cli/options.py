@@ -9,86 +9,234 @@ import typer
 
 from modeltap.loading.hf import Device, DType
 
+# Help panels: `--help` groups each command's options under these headings.
+INPUTS = "Inputs"
+SELECTION = "Selection"
+LOADING = "Loading"
+RUNNING = "Running"
+OUTPUT = "Output"
+GRADIENTS = "Gradients"
+TOL = "Tolerance"
+KEYS = "Keys"
+
 # Options shared by several commands, defined once.
 ModelArg = Annotated[
-    str | None, typer.Argument(help="Hugging Face model id or local folder with config.json.")
+    str | None,
+    typer.Argument(help="Hugging Face model id or local folder with config.json.", metavar="MODEL"),
 ]
 ConfigOpt = Annotated[
     Path | None,
-    typer.Option("--config", "-c", help="TOML settings file (see configs/).", show_default=False),
+    typer.Option(
+        "--config",
+        "-c",
+        help="TOML settings file (see configs/).",
+        show_default=False,
+        rich_help_panel=OUTPUT,
+        metavar="FILE",
+    ),
 ]
 DepthOpt = Annotated[
     int | None,
-    typer.Option("--depth", "-d", help="Keep modules with at most N dotted name parts (root = 0)."),
+    typer.Option(
+        "--depth",
+        "-d",
+        help="Keep modules with at most N dotted name parts (root = 0).",
+        rich_help_panel=SELECTION,
+        metavar="N",
+    ),
 ]
 IncludeOpt = Annotated[
     list[str] | None,
-    typer.Option("--include", "-i", help="Glob on dotted module names; repeatable."),
+    typer.Option(
+        "--include",
+        "-i",
+        help="Glob on dotted module names; repeatable.",
+        rich_help_panel=SELECTION,
+        metavar="GLOB",
+    ),
 ]
 ExcludeOpt = Annotated[
-    list[str] | None, typer.Option("--exclude", "-x", help="Glob to leave out; repeatable.")
+    list[str] | None,
+    typer.Option(
+        "--exclude",
+        "-x",
+        help="Glob to leave out; repeatable.",
+        rich_help_panel=SELECTION,
+        metavar="GLOB",
+    ),
 ]
 OutOpt = Annotated[
     Path | None,
-    typer.Option("--out", "-o", help="Dump file [default: <model name>.dump.safetensors]."),
+    typer.Option(
+        "--out",
+        "-o",
+        help="Dump file [default: <model name>.dump.safetensors].",
+        rich_help_panel=OUTPUT,
+        metavar="FILE",
+    ),
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")]
-RevisionOpt = Annotated[str | None, typer.Option(help="Hub revision: branch, tag or commit.")]
+JsonOpt = Annotated[
+    bool,
+    typer.Option("--json", help="Print JSON on stdout instead of a table.", rich_help_panel=OUTPUT),
+]
+RevisionOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Hub revision: branch, tag or commit.", rich_help_panel=LOADING, metavar="REV"
+    ),
+]
 ModelClassOpt = Annotated[
     str | None,
-    typer.Option(help="transformers class to load with [default: AutoModel].", show_default=False),
+    typer.Option(
+        help="transformers class to load with [default: AutoModel].",
+        show_default=False,
+        rich_help_panel=LOADING,
+        metavar="CLASS",
+    ),
 ]
 TrustOpt = Annotated[
     bool | None,
-    typer.Option("--trust-remote-code/--no-trust-remote-code", help="Run the model repo's code."),
+    typer.Option(
+        "--trust-remote-code/--no-trust-remote-code",
+        help="Run the model repo's code.",
+        rich_help_panel=LOADING,
+    ),
 ]
 
 
-TextArg = Annotated[list[str] | None, typer.Argument(help="Sentences, run as one padded batch.")]
+TextArg = Annotated[
+    list[str] | None, typer.Argument(help="Sentences, run as one padded batch.", metavar="TEXT")
+]
 InputFileOpt = Annotated[
-    Path | None, typer.Option(help="Tensors instead of text: .safetensors, .npy, .npz or .pt.")
+    Path | None,
+    typer.Option(
+        help="Tensors instead of text: .safetensors, .npy, .npz or .pt.",
+        rich_help_panel=INPUTS,
+        metavar="FILE",
+    ),
 ]
 StatsOnlyOpt = Annotated[
     bool | None,
-    typer.Option("--stats-only/--with-tensors", help="Write statistics only, no tensors."),
+    typer.Option(
+        "--stats-only/--with-tensors",
+        help="Write statistics only, no tensors.",
+        rich_help_panel=OUTPUT,
+    ),
 ]
 TokenizerOpt = Annotated[
-    str | None, typer.Option(help="Tokenizer id or folder [default: the model's].")
+    str | None,
+    typer.Option(
+        help="Tokenizer id or folder [default: the model's].",
+        rich_help_panel=INPUTS,
+        metavar="NAME",
+    ),
 ]
-DTypeOpt = Annotated[DType | None, typer.Option(help="Model dtype [default: float32].")]
-DeviceOpt = Annotated[Device | None, typer.Option(help="Where to run [default: cpu].")]
+DTypeOpt = Annotated[
+    DType | None,
+    typer.Option(
+        help="Model dtype: float32, bfloat16 or float16 [default: float32].",
+        rich_help_panel=LOADING,
+        metavar="DTYPE",
+    ),
+]
+DeviceOpt = Annotated[
+    Device | None,
+    typer.Option(
+        help="Where to run: cpu, cuda or auto [default: cpu].",
+        rich_help_panel=LOADING,
+        metavar="DEVICE",
+    ),
+]
 TrainModeOpt = Annotated[
-    bool | None, typer.Option("--train-mode/--eval-mode", help="Keep dropout etc. active.")
+    bool | None,
+    typer.Option(
+        "--train-mode/--eval-mode", help="Keep dropout etc. active.", rich_help_panel=RUNNING
+    ),
 ]
 TargetOpt = Annotated[
     str | None,
-    typer.Option("--target", "-t", help="Module (or module:part) whose output is differentiated."),
+    typer.Option(
+        "--target",
+        "-t",
+        help="Module (or module:part) whose output is differentiated.",
+        rich_help_panel=GRADIENTS,
+        metavar="MODULE",
+    ),
 ]
 WrtOpt = Annotated[
     list[str] | None,
-    typer.Option("--wrt", "-w", help="Only these modules' outputs get gradients; repeatable."),
+    typer.Option(
+        "--wrt",
+        "-w",
+        help="Only these modules' outputs get gradients; repeatable.",
+        rich_help_panel=GRADIENTS,
+        metavar="MODULE",
+    ),
 ]
 LossOpt = Annotated[
     str | None,
-    typer.Option(help="Without --target: sum (of the main output), lm (causal LM), mlm."),
+    typer.Option(
+        help="Without --target: sum (of the main output), lm (causal LM), mlm.",
+        rich_help_panel=GRADIENTS,
+        metavar="LOSS",
+    ),
 ]
 GradOutputOpt = Annotated[
     str | None,
-    typer.Option(help="Seed of the backward: ones, randn, unit:I,J,... or a tensor file."),
+    typer.Option(
+        help="Seed of the backward: ones, randn, unit:I,J,... or a tensor file.",
+        rich_help_panel=GRADIENTS,
+        metavar="SPEC",
+    ),
 ]
 ParamsOpt = Annotated[
-    bool | None, typer.Option("--params/--no-params", help="Also store parameter gradients.")
+    bool | None,
+    typer.Option(
+        "--params/--no-params", help="Also store parameter gradients.", rich_help_panel=GRADIENTS
+    ),
 ]
 JacobianOpt = Annotated[
     int | None,
     typer.Option(
-        help="Estimate ||d target/d x||_F for each x from K random probes [default: off]."
+        help="Estimate ||d target/d x||_F for each x from K random probes [default: off].",
+        rich_help_panel=GRADIENTS,
+        metavar="K",
     ),
 ]
-ProbesOpt = Annotated[str | None, typer.Option(help="Probe vectors: rademacher or gaussian.")]
+ProbesOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Probe vectors: rademacher or gaussian.", rich_help_panel=GRADIENTS, metavar="KIND"
+    ),
+]
 VanishingOpt = Annotated[
-    float | None, typer.Option(help="Flag gradients with a norm below this [default: 1e-7].")
+    float | None,
+    typer.Option(
+        help="Flag gradients with a norm below this [default: 1e-7].",
+        rich_help_panel=GRADIENTS,
+        metavar="NORM",
+    ),
 ]
 ExplodingOpt = Annotated[
-    float | None, typer.Option(help="Flag gradients with a norm above this [default: 1e3].")
+    float | None,
+    typer.Option(
+        help="Flag gradients with a norm above this [default: 1e3].",
+        rich_help_panel=GRADIENTS,
+        metavar="NORM",
+    ),
+]
+MaxLengthOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Truncate each text to N tokens [default: no truncation].",
+        min=1,
+        rich_help_panel=INPUTS,
+        metavar="N",
+    ),
+]
+SeedOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="torch seed set before the run [default: 0].", rich_help_panel=RUNNING, metavar="N"
+    ),
 ]

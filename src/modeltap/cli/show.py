@@ -17,7 +17,10 @@ from modeltap.cli.options import (
 @app.command()
 @handle_errors
 def show(
-    file: Annotated[Path, typer.Argument(help="A dump written by modeltap (or any safetensors).")],
+    file: Annotated[
+        Path,
+        typer.Argument(help="A dump written by modeltap (or any safetensors).", metavar="FILE"),
+    ],
     json_out: JsonOpt = False,
 ) -> None:
     """Print a dump's tree of statistics again, from the file alone."""

@@ -19,6 +19,7 @@ from modeltap.loading.inputs import (
     Inputs,
     add_decoder_inputs,
     check_forward_names,
+    check_length,
     file_inputs,
     text_inputs,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "ModelSource",
     "add_decoder_inputs",
     "check_forward_names",
+    "check_length",
     "file_inputs",
     "load_meta_model",
     "load_model",

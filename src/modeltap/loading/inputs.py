@@ -40,15 +40,21 @@ class Inputs:
         return Inputs(args, kwargs, self.description)
 
 
-def text_inputs(tokenizer: Any, texts: list[str]) -> Inputs:
-    """Sentences as one padded batch with attention mask."""
+def text_inputs(tokenizer: Any, texts: list[str], *, max_length: int | None = None) -> Inputs:
+    """Sentences as one padded batch with attention mask; `max_length` truncates each one."""
     notes = {}
     if getattr(tokenizer, "pad_token", None) is None and len(texts) > 1:
         if getattr(tokenizer, "eos_token", None) is None:
             raise InputError("the tokenizer has no pad token to batch several texts; give one text")
         tokenizer.pad_token = tokenizer.eos_token
         notes["pad_token"] = "eos_token"
-    encoded = tokenizer(list(texts), return_tensors="pt", padding=True)
+    if max_length is not None:
+        encoded = tokenizer(
+            list(texts), return_tensors="pt", padding=True, truncation=True, max_length=max_length
+        )
+        notes["max_length"] = max_length
+    else:
+        encoded = tokenizer(list(texts), return_tensors="pt", padding=True)
     kwargs = dict(encoded)
     description: dict[str, Any] = {"texts": list(texts), **notes}
     description["tensors"] = {k: list(v.shape) for k, v in kwargs.items()}
@@ -85,6 +91,14 @@ def file_inputs(path: str | os.PathLike[str]) -> Inputs:
     except InputError:
         raise
     except Exception as exc:  # each reader raises its own kinds for a corrupt file
+        if _needs_pickle(exc):
+            # The reader's own hint (weights_only=False, allow_pickle=True) names options modeltap
+            # does not have, and running a file's code is not something it will do.
+            raise InputError(
+                f"input file '{p.name}' holds Python objects, not just tensors, and modeltap "
+                "never unpickles them; save the inputs with safetensors.torch.save_file (or "
+                "torch.save of a tensor or a dict of tensors) and pass that file"
+            ) from exc
         raise InputError(f"can't read input file '{p}' ({first_line(exc)}); check it") from exc
     description: dict[str, Any] = {"file": p.name, "sha256": _sha256(p)}
     if isinstance(loaded, torch.Tensor):
@@ -98,6 +112,30 @@ def file_inputs(path: str | os.PathLike[str]) -> Inputs:
         description["tensors"] = {k: list(v.shape) for k, v in loaded.items()}
         return Inputs((), dict(loaded), description)
     raise InputError(f"input file '{p.name}' must hold one tensor or a mapping of names to tensors")
+
+
+def _needs_pickle(exc: BaseException) -> bool:
+    import pickle
+
+    text = str(exc)
+    return (
+        isinstance(exc, pickle.UnpicklingError)
+        or "allow_pickle" in text
+        or ("weights_only" in text)
+    )
+
+
+def check_length(model: nn.Module, inputs: Inputs) -> None:
+    """Token ids beyond the model's positions fail deep inside it with a shape error: say so."""
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None)
+    ids = inputs.kwargs.get("input_ids")
+    if not isinstance(limit, int) or ids is None or ids.dim() != 2 or ids.shape[1] <= limit:
+        return
+    raise InputError(
+        f"{type(model).__name__} takes at most {limit} tokens and the input has {ids.shape[1]}; "
+        f"shorten it, or pass --max-length {limit} to truncate"
+    )
 
 
 def check_forward_names(model: nn.Module, inputs: Inputs) -> None:
