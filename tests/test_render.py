@@ -1,6 +1,7 @@
 import io
 from pathlib import Path
 
+import pytest
 import torch
 from rich.console import Console
 
@@ -120,3 +121,29 @@ def test_number_format_fits_eight_characters():
     for value in (0.0, 0.007522, 886.7178, -1.79e-4, 3.4e38, -12345.678, float("nan"), 1e-12):
         assert len(fmt(value)) <= 8, fmt(value)
     assert fmt(-1.79e-4) == "-1.79e-4" and fmt(886.7178) == "886.7"
+
+
+def test_plain_weights_file_keeps_every_number_at_80_columns(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    name = "encoder.layer.11.attention.self.query.weight"
+    save_file(
+        {
+            name: torch.randn(384, 384) * 0.05,
+            "embeddings.word_embeddings.weight": torch.randn(50, 8),
+        },
+        tmp_path / "w.safetensors",
+    )
+    dump = load_dump(tmp_path / "w.safetensors")
+    from modeltap.stats import tensor_stats
+
+    dump.stats = {k: tensor_stats(dump[k]) for k in dump.stored}
+    text = render(dump_table(dump, width=80), 80)
+    assert max(len(line) for line in text.splitlines()) <= 80
+    row = next(line for line in text.splitlines() if "query.weight" in line)
+    # The name loses its start, never its end; no number is cut.
+    assert row.split()[0].startswith("…") and row.split()[0].endswith("self.query.weight")
+    assert row.split()[1] == "384×384" and "…" not in " ".join(row.split()[1:])
+    norm = float(row.split()[2])
+    assert norm == pytest.approx(float(torch.linalg.vector_norm(dump[name])), rel=1e-3)

@@ -130,33 +130,57 @@ def _walk(nodes: list[_Node], parent: str | None, prefix: str) -> Iterable[tuple
 
 
 def dump_table(dump: Dump, *, width: int = 80) -> Table:
-    """The tree of captured tensors with their statistics, as wide as `width` allows."""
+    """The tree of captured tensors with their statistics, as wide as `width` allows.
+
+    Numbers are never cut: the module column takes what they leave, and a name too long for it
+    loses its start (`…self.query.weight`), keeping the end that tells tensors apart.
+    """
     wide = width >= WIDE
-    table = _plain_table()
-    table.add_column("module", no_wrap=True, overflow="ellipsis")
-    table.add_column("shape", justify="right")
-    if wide:
-        table.add_column("dtype")
-    table.add_column("norm", justify="right")
-    table.add_column("mean", justify="right")
-    if wide:
-        table.add_column("std", justify="right")
-        table.add_column("min", justify="right")
-        table.add_column("max", justify="right")
-    else:
-        table.add_column("absmax", justify="right")
-    table.add_column("nan/inf", justify="right")
-    table.add_column("dead", justify="right")
-    if wide:
-        table.add_column("same tensor as")
+    rows = []
     for label, key in _walk(_module_tree(activation_keys(dump)), None, ""):
         if key is None:
-            table.add_row(label)
+            rows.append((label, []))
             continue
         stats = dump.stats_for(key)
-        alias_of = dump.aliases.get(key)
-        table.add_row(*_stats_cells(label, stats, wide=wide, alias_of=alias_of))
+        cells = _stats_cells("", stats, wide=wide, alias_of=dump.aliases.get(key))
+        rows.append((label, cells[1:]))
+    headers = ["shape", "norm", "mean", "absmax", "nan/inf", "dead"]
+    if wide:
+        headers = ["shape", "dtype", "norm", "mean", "std", "min", "max", "nan/inf", "dead"]
+        if dump.aliases:
+            headers.append("same tensor as")
+    widths = [len(h) for h in headers]
+    for _, cells in rows:
+        for i, cell in enumerate(cells[: len(headers)]):
+            widths[i] = max(widths[i], len(cell))
+    if wide and dump.aliases:
+        widths[-1] = min(widths[-1], 36)
+    key_width = max(16, width - sum(widths) - len(widths))
+    table = _plain_table()
+    table.add_column("module", no_wrap=True, overflow="ellipsis", max_width=key_width)
+    for header, min_width in zip(headers, widths, strict=True):
+        justify = "left" if header in ("dtype", "same tensor as") else "right"
+        overflow = "ellipsis" if header == "same tensor as" else "fold"
+        table.add_column(
+            header,
+            justify=justify,
+            no_wrap=True,
+            min_width=min_width,
+            overflow=overflow,
+            max_width=36 if header == "same tensor as" else None,
+        )
+    for label, cells in rows:
+        table.add_row(_fit(label, key_width), *cells[: len(headers)])
     return table
+
+
+def _fit(label: str, width: int) -> str:
+    """Cut a tree label from the start of its name, after the tree guides, to `width`."""
+    if len(label) <= width:
+        return label
+    name_at = len(label) - len(label.lstrip("│├└─ "))
+    keep = width - name_at - 1
+    return label[:name_at] + "…" + label[len(label) - keep :] if keep > 0 else label[:width]
 
 
 def _stats_cells(
