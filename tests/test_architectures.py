@@ -29,6 +29,7 @@ from typer.testing import CliRunner
 
 from modeltap.capture import flatten, split_key
 from modeltap.cli import app
+from modeltap.errors import RunError
 from modeltap.grads import GradSpec
 from modeltap.loading import Inputs, add_decoder_inputs
 from modeltap.run import dump_model
@@ -142,12 +143,66 @@ def test_dump_and_grads_equal_transformers_hidden_states(family, tmp_path):
         torch.testing.assert_close(grad_stored["grad/" + key], g, rtol=1e-5, atol=1e-6, msg=key)
 
 
+# Models whose backward fails inside torch.autograd.grad: one line, exit 1, no file, and the fix.
+BACKWARD_FAILURES = {
+    "rwkv": ["--train-mode"],  # its state cache is written in place in eval mode only
+    "reformer": ["training mode", "model.train()"],  # reversible layers: backward in training only
+}
+
+
 def saved(family, folder):
     """`family`'s model saved to `folder`, and a tensor file with its inputs."""
     model, kwargs = BUILDERS[family]()
     model.save_pretrained(folder / family)
     save_file(kwargs, folder / f"{family}-inputs.safetensors")
     return folder / family, folder / f"{family}-inputs.safetensors"
+
+
+@pytest.mark.parametrize("family", sorted(BACKWARD_FAILURES))
+def test_backward_failure_is_one_line_naming_the_fix(family, tmp_path):
+    model_dir, inputs = saved(family, tmp_path)
+    result = runner.invoke(
+        app, ["grads", str(model_dir), "--input-file", str(inputs), "-o", "g.safetensors"]
+    )
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "backward failed" in lines[0]
+    for hint in BACKWARD_FAILURES[family]:
+        assert hint in lines[0]
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "g.safetensors").exists()
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_rwkv_takes_gradients_in_train_mode(tmp_path):
+    """The fix the RWKV message names works, and gives transformers' own gradients."""
+    model_dir, inputs = saved("rwkv", tmp_path)
+    args = ["grads", str(model_dir), "--input-file", str(inputs), "--train-mode"]
+    result = runner.invoke(app, [*args, "-o", "g.safetensors"])
+    assert result.exit_code == 0, result.output
+    grad_stored, _ = read(tmp_path / "g.safetensors")
+
+    model, kwargs = BUILDERS["rwkv"]()
+    out = model.train()(**kwargs, output_hidden_states=True)
+    y, first = out.last_hidden_state, out.hidden_states[0]  # blocks.0's output
+    (expected,) = torch.autograd.grad(y, [first], grad_outputs=torch.ones_like(y))
+    torch.testing.assert_close(grad_stored["grad/blocks.0:0"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_reformer_takes_gradients_when_already_training(tmp_path):
+    """What the Reformer message tells Python users to do works."""
+    model, kwargs = BUILDERS["reformer"]()
+    inputs = Inputs((), kwargs, {})
+    spec = GradSpec(target="encoder.layer_norm")
+    with pytest.raises(RunError, match="runs only in training mode"):
+        dump_model(model, inputs, tmp_path / "g.safetensors", grads=spec, activations=False)
+    model.train()
+    path = dump_model(
+        model, inputs, tmp_path / "g.safetensors", grads=spec, activations=False, train_mode=True
+    )
+    grad_stored, _ = read(path)
+    assert "grad/embeddings" in grad_stored
 
 
 def test_cli_dumps_detr_from_pixel_values_alone(tmp_path):
