@@ -175,6 +175,36 @@ def test_backward_failure_is_one_line_naming_the_fix(family, tmp_path):
     assert not list(tmp_path.glob(".*tmp"))
 
 
+def test_any_backward_failure_is_a_run_error(tmp_path):
+    class Refuses(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("no backward here\nsecond line")
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return Refuses.apply(self.fc(x))
+
+    with pytest.raises(RunError, match=r"Model's backward failed: no backward here \(") as info:
+        dump_model(
+            Model(),
+            Inputs((torch.randn(2, 4),), {}, {}),
+            tmp_path / "g.safetensors",
+            grads=GradSpec(),
+            activations=False,
+        )
+    assert info.value.exit_code == 1 and "second line" not in info.value.message
+    assert not (tmp_path / "g.safetensors").exists()
+
+
 def test_rwkv_takes_gradients_in_train_mode(tmp_path):
     """The fix the RWKV message names works, and gives transformers' own gradients."""
     model_dir, inputs = saved("rwkv", tmp_path)

@@ -120,8 +120,9 @@ def backward_error(model: nn.Module, exc: BaseException, *, train_mode: bool) ->
         # allow in training mode only; the backward runs after `hooks` restored the model's mode.
         return RunError(
             f"{name}'s backward failed: it runs only in training mode (reversible layers, as in "
-            "Reformer), and modeltap takes gradients with the model in eval mode; from Python, "
-            f"call model.train() before dump_model(..., train_mode=True, grads=...) {debug}"
+            "Reformer), and modeltap runs the backward with the model back in its own mode, eval "
+            "from the CLI even with --train-mode; from Python, call model.train() before "
+            f"dump_model(..., train_mode=True, grads=...) {debug}"
         )
     return RunError(f"{name}'s backward failed: {cause} {debug}")
 
