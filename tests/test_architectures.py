@@ -7,8 +7,11 @@ exactly some block's output, that modeltap stored that very tensor, and that mod
 there equals `torch.autograd.grad` of the same target w.r.t. that hidden state.
 
 Where hidden_states[k] sits differs by family (the ALIGN table):
-- Encoders (BERT, ViT, Wav2Vec2, CLIP's towers, BART, DETR's encoder): hidden_states[0] is the
-  embeddings, hidden_states[i + 1] is block i's output, the last block included.
+- Encoders (BERT, ViT, Wav2Vec2, CLIP's towers, BART, DETR's encoder): hidden_states[i + 1] is
+  block i's output, the last block included. hidden_states[0] is what enters the first block:
+  the embeddings module's output, or the norm after it (Wav2Vec2's encoder.layer_norm, CLIP
+  vision's pre_layrnorm, BART's layernorm_embedding); DETR's encoder input (the flattened
+  projected backbone features) and decoder input (zeros) are no module's output, not compared.
 - Decoders with a final norm (Llama, GPT-2, Mixtral, T5's stacks, DETR's decoder): the last entry
   is the final norm's output, not the last block's: transformers replaces it. The last block's
   own output is in no entry, so it is not compared; the final norm's output is.
@@ -40,6 +43,7 @@ runner = CliRunner()
 # family -> {path of a hidden state in transformers' output: modeltap key of the same tensor}
 ALIGN: dict[str, dict[str, str]] = {
     "bert": {  # encoder
+        "hidden_states.0": "embeddings",
         "hidden_states.1": "encoder.layer.0",
         "hidden_states.2": "encoder.layer.1",
     },
@@ -54,6 +58,7 @@ ALIGN: dict[str, dict[str, str]] = {
         "hidden_states.2": "ln_f",
     },
     "mixtral": {  # mixture of experts
+        "hidden_states.0": "embed_tokens",
         "hidden_states.1": "layers.0",
         "hidden_states.2": "norm",
     },
@@ -63,14 +68,18 @@ ALIGN: dict[str, dict[str, str]] = {
         "hidden_states.2": "norm_f",
     },
     "bart": {  # encoder-decoder without final norms
+        "encoder_hidden_states.0": "encoder.layernorm_embedding",
         "encoder_hidden_states.1": "encoder.layers.0",
         "encoder_hidden_states.2": "encoder.layers.1",
+        "decoder_hidden_states.0": "decoder.layernorm_embedding",
         "decoder_hidden_states.1": "decoder.layers.0",
         "decoder_hidden_states.2": "decoder.layers.1",
     },
     "t5": {  # encoder-decoder with final norms; blocks return tuples
+        "encoder_hidden_states.0": "encoder.embed_tokens",
         "encoder_hidden_states.1": "encoder.block.0:0",
         "encoder_hidden_states.2": "encoder.final_layer_norm",
+        "decoder_hidden_states.0": "decoder.embed_tokens",
         "decoder_hidden_states.1": "decoder.block.0:0",
         "decoder_hidden_states.2": "decoder.final_layer_norm",
     },
