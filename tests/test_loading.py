@@ -135,6 +135,16 @@ def test_encoder_decoder_gets_decoder_start(t5_dir):
         model(**completed.kwargs)  # runs
 
 
+def test_models_that_take_no_decoder_ids_get_none():
+    """DETR is an encoder-decoder whose decoder starts from learned queries, not token ids."""
+    from tests.fixtures.architectures import detr
+
+    model, kwargs = detr()
+    assert model.config.is_encoder_decoder
+    completed = add_decoder_inputs(model, file_inputs_from(kwargs))
+    assert completed.kwargs.keys() == {"pixel_values"}
+
+
 def file_inputs_from(tensors):
     from modeltap.loading import Inputs
 

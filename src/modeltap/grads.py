@@ -236,6 +236,7 @@ def run_grads(
     import torch
 
     from modeltap.capture import hooks, run_model
+    from modeltap.capture.hooks import backward_error
 
     spec.check()
     by_name = {(n or ROOT): m for n, m in model.named_modules()}
@@ -318,9 +319,12 @@ def run_grads(
         v = seed_tensor(spec.grad_output, y, generator) if y.dim() else torch.ones_like(y)
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         sources = [p for _, p in params] + leaves
-        results = torch.autograd.grad(
-            y, sources, grad_outputs=v, allow_unused=True, retain_graph=spec.jacobian_norm > 0
-        )
+        try:
+            results = torch.autograd.grad(
+                y, sources, grad_outputs=v, allow_unused=True, retain_graph=spec.jacobian_norm > 0
+            )
+        except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as exc:
+            raise backward_error(model, exc, train_mode=train_mode) from exc
         sink.live = False
         reached = set(sink.written)
         for key in sink.hooked:

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from modeltap.capture.recorder import Captured, MemorySink, Recorder, Sink
-from modeltap.errors import RunError, SelectionError
+from modeltap.errors import RunError, SelectionError, first_line
 from modeltap.selection import ROOT, unknown_name_message
 
 if TYPE_CHECKING:
@@ -97,6 +97,34 @@ def run_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
             f"{type(model).__name__}.forward failed: {first}; check the inputs' names, shapes "
             "and dtypes (MODELTAP_DEBUG=1 shows the traceback)"
         ) from exc
+
+
+def backward_error(model: nn.Module, exc: BaseException, *, train_mode: bool) -> RunError:
+    """A failure inside the model's backward, as one line with the fix when one is known."""
+    name = type(model).__name__
+    cause = first_line(exc).split(" Hint:")[0]  # torch's hint names torch calls, not our options
+    debug = "(MODELTAP_DEBUG=1 shows the traceback)"
+    if "modified by an inplace operation" in cause:
+        fix = (
+            "RWKV does so to its state cache in eval mode only: run with --train-mode "
+            "(RWKV has no dropout; its values stay the same)"
+            if not train_mode
+            else "modeltap can't take gradients through it"
+        )
+        return RunError(
+            f"{name}'s backward failed: the forward overwrote in place a tensor the backward "
+            f"needs; {fix} {debug}"
+        )
+    if "model.train()" in cause or "training mode" in cause:
+        # Reformer's reversible layers recompute their activations in the backward, which they
+        # allow in training mode only; the backward runs after `hooks` restored the model's mode.
+        return RunError(
+            f"{name}'s backward failed: it runs only in training mode (reversible layers, as in "
+            "Reformer), and modeltap runs the backward with the model back in its own mode, eval "
+            "from the CLI even with --train-mode; from Python, call model.train() before "
+            f"dump_model(..., train_mode=True, grads=...) {debug}"
+        )
+    return RunError(f"{name}'s backward failed: {cause} {debug}")
 
 
 def capture(

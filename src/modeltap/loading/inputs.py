@@ -168,11 +168,15 @@ def check_forward_names(model: nn.Module, inputs: Inputs) -> None:
 
 
 def add_decoder_inputs(model: nn.Module, inputs: Inputs) -> Inputs:
-    """Encoder-decoder models get the decoder start token when no decoder input was given."""
+    """Models whose forward takes `decoder_input_ids` get the decoder start token if none given.
+
+    The forward's signature decides, not `config.is_encoder_decoder`: DETR and other models that
+    decode from learned queries are encoder-decoders with no decoder token ids to give.
+    """
     import torch
 
     config = getattr(model, "config", None)
-    if config is None or not getattr(config, "is_encoder_decoder", False):
+    if config is None or not _takes_decoder_ids(model, config):
         return inputs
     if any(k.startswith("decoder_") and "input" in k for k in inputs.kwargs):
         return inputs
@@ -191,6 +195,14 @@ def add_decoder_inputs(model: nn.Module, inputs: Inputs) -> Inputs:
     kwargs["decoder_input_ids"] = torch.full((batch, 1), int(start), dtype=torch.long)
     description = dict(inputs.description, decoder_input_ids=f"decoder start token {start}")
     return Inputs(inputs.args, kwargs, description)
+
+
+def _takes_decoder_ids(model: nn.Module, config: Any) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # no readable signature: trust the config
+        return bool(getattr(config, "is_encoder_decoder", False))
+    return "decoder_input_ids" in params
 
 
 def _batch_size(inputs: Inputs) -> int:
