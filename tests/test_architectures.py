@@ -155,7 +155,7 @@ def test_dump_and_grads_equal_transformers_hidden_states(family, tmp_path):
 # Models whose backward fails inside torch.autograd.grad: one line, exit 1, no file, and the fix.
 BACKWARD_FAILURES = {
     "rwkv": ["--train-mode"],  # its state cache is written in place in eval mode only
-    "reformer": ["training mode", "model.train()"],  # reversible layers: backward in training only
+    "reformer": ["training mode", "--train-mode"],  # reversible layers: backward in training only
 }
 
 
@@ -229,19 +229,24 @@ def test_rwkv_takes_gradients_in_train_mode(tmp_path):
     torch.testing.assert_close(grad_stored["grad/blocks.0:0"], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_reformer_takes_gradients_when_already_training(tmp_path):
-    """What the Reformer message tells Python users to do works."""
+def test_reformer_takes_gradients_with_train_mode(tmp_path):
+    """The fix the Reformer message names works from the CLI, with transformers' own gradients."""
+    model_dir, inputs = saved("reformer", tmp_path)
+    args = ["grads", str(model_dir), "--input-file", str(inputs), "--train-mode"]
+    result = runner.invoke(app, [*args, "--target", "encoder.layer_norm", "-o", "g.safetensors"])
+    assert result.exit_code == 0, result.output
+    grad_stored, _ = read(tmp_path / "g.safetensors")
+
     model, kwargs = BUILDERS["reformer"]()
-    inputs = Inputs((), kwargs, {})
-    spec = GradSpec(target="encoder.layer_norm")
-    with pytest.raises(RunError, match="runs only in training mode"):
-        dump_model(model, inputs, tmp_path / "g.safetensors", grads=spec, activations=False)
     model.train()
-    path = dump_model(
-        model, inputs, tmp_path / "g.safetensors", grads=spec, activations=False, train_mode=True
-    )
-    grad_stored, _ = read(path)
-    assert "grad/embeddings" in grad_stored
+    seen = {}
+    model.embeddings.register_forward_hook(lambda m, a, out: seen.setdefault("emb", out))
+    model.encoder.layer_norm.register_forward_hook(lambda m, a, out: seen.setdefault("y", out))
+    torch.manual_seed(0)
+    model(**kwargs)
+    y = seen["y"]
+    (expected,) = torch.autograd.grad(y, [seen["emb"]], grad_outputs=torch.ones_like(y))
+    torch.testing.assert_close(grad_stored["grad/embeddings"], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_cli_dumps_detr_from_pixel_values_alone(tmp_path):

@@ -236,7 +236,7 @@ def run_grads(
     import torch
 
     from modeltap.capture import hooks, run_model
-    from modeltap.capture.hooks import backward_error
+    from modeltap.capture.hooks import backward_error, model_mode
 
     spec.check()
     by_name = {(n or ROOT): m for n, m in model.named_modules()}
@@ -320,9 +320,14 @@ def run_grads(
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         sources = [p for _, p in params] + leaves
         try:
-            results = torch.autograd.grad(
-                y, sources, grad_outputs=v, allow_unused=True, retain_graph=spec.jacobian_norm > 0
-            )
+            with model_mode(model, train_mode):
+                results = torch.autograd.grad(
+                    y,
+                    sources,
+                    grad_outputs=v,
+                    allow_unused=True,
+                    retain_graph=spec.jacobian_norm > 0,
+                )
         except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as exc:
             raise backward_error(model, exc, train_mode=train_mode) from exc
         sink.live = False

@@ -117,12 +117,10 @@ def backward_error(model: nn.Module, exc: BaseException, *, train_mode: bool) ->
         )
     if "model.train()" in cause or "training mode" in cause:
         # Reformer's reversible layers recompute their activations in the backward, which they
-        # allow in training mode only; the backward runs after `hooks` restored the model's mode.
+        # allow in training mode only.
         return RunError(
             f"{name}'s backward failed: it runs only in training mode (reversible layers, as in "
-            "Reformer), and modeltap runs the backward with the model back in its own mode, eval "
-            "from the CLI even with --train-mode; from Python, call model.train() before "
-            f"dump_model(..., train_mode=True, grads=...) {debug}"
+            f"Reformer); run with --train-mode (train_mode=True from Python) {debug}"
         )
     return RunError(f"{name}'s backward failed: {cause} {debug}")
 
@@ -162,3 +160,22 @@ def capture(
         if changed:
             sink, recorder, output = once(changed)
     return Captured(sink.tensors, recorder.aliases, recorder.order, recorder.skipped, output)
+
+
+@contextmanager
+def model_mode(model: nn.Module, train_mode: bool) -> Iterator[None]:
+    """`model` in training (or eval) mode for the block, each module's own mode restored after.
+
+    The backward of a gradient run needs it too: reversible layers recompute their forward then.
+    """
+    named = [m for _, m in model.named_modules()]
+    was = {m: m.training for m in named if m.training != train_mode}
+    try:
+        if was:
+            model.train(train_mode)
+        yield
+    finally:
+        for module in named:
+            training = was.get(module, train_mode)
+            if module.training != training:
+                module.training = training

@@ -1,0 +1,178 @@
+"""Regenerate (or check) the example outputs in README.md by running their commands.
+
+Every fenced block in README.md whose lines start with `$ modeltap ...` is an example: each command
+runs (in-process, 80 columns, in one scratch folder shared by all blocks, with the checkout's
+`models/` linked in) and the lines after it, up to the next `$` line, are its output (stdout, then
+stderr). `$ echo $?` prints the previous command's exit code. A line `...` in the README elides
+output: there, the README's lines are kept and only their numbers are refreshed, each from the
+generated line with the same words.
+
+    python scripts/readme_examples.py           # rewrite README.md
+    python scripts/readme_examples.py --check   # exit 1 if an example's output is out of date
+
+The check compares words exactly and numbers to their shown precision (5e-3 relative), so it does
+not fail on another CPU's float rounding.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+FENCE = "```"
+ELIDED = "..."
+
+
+def _number(token: str) -> float | None:
+    try:
+        return float(token.rstrip("%,)").lstrip("(±"))
+    except ValueError:
+        return None
+
+
+def same_line(line: str, other: str, rel: float = 5e-3) -> bool:
+    """Equal word for word, numbers within their last shown digit."""
+    words, others = line.split(), other.split()
+    if len(words) != len(others):
+        return False
+    for word, theirs in zip(words, others, strict=True):
+        x, y = _number(word), _number(theirs)
+        if x is None or y is None:
+            if word != theirs:
+                return False
+        elif abs(x - y) > rel * max(abs(x), abs(y)) + 1e-12:
+            return False
+    return True
+
+
+def _shape(line: str) -> list[str]:
+    """The words of a line with its numbers blanked: what an elided README line is matched by."""
+    return ["#" if _number(w) is not None else w for w in line.split()]
+
+
+def run(command: str, cwd: Path) -> tuple[list[str], int]:
+    """Run one `modeltap ...` command in-process; (output lines, exit code)."""
+    from typer.testing import CliRunner
+
+    from modeltap.cli import app
+
+    args = shlex.split(command, comments=True)[1:]
+    old = Path.cwd()
+    os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "80"}, terminal_width=80)
+    finally:
+        os.chdir(old)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise RuntimeError(f"`{command}` raised {result.exception!r}")
+    text = result.stdout + result.stderr
+    return [line.rstrip() for line in text.splitlines()], result.exit_code
+
+
+def _commands(block: list[str]) -> list[tuple[str, list[str]]]:
+    """(command, README output lines) pairs of one block, continuations joined."""
+    pairs: list[tuple[str, list[str]]] = []
+    lines = iter(block)
+    for line in lines:
+        if line.startswith("$ "):
+            command = line[2:]
+            while command.endswith("\\"):
+                command = command[:-1] + " " + next(lines).strip()
+            pairs.append((command, []))
+        elif pairs:
+            pairs[-1][1].append(line)
+    return pairs
+
+
+def _merge(readme: list[str], generated: list[str]) -> tuple[list[str], list[str]]:
+    """The new output lines for one command, and the README lines that no longer match."""
+    if ELIDED not in [line.strip() for line in readme]:
+        stale = [] if _all_same(readme, generated) else readme
+        return generated, stale
+    out, stale, start = [], [], 0
+    for line in readme:
+        if line.strip() == ELIDED or not line.strip():
+            out.append(line)
+            continue
+        for i in range(start, len(generated)):
+            if _shape(generated[i]) == _shape(line):
+                if not same_line(line, generated[i]):
+                    stale.append(line)
+                out.append(generated[i])
+                start = i + 1
+                break
+        else:
+            stale.append(line)
+            out.append(line)
+    return out, stale
+
+
+def _all_same(a: list[str], b: list[str]) -> bool:
+    return len(a) == len(b) and all(same_line(x, y) for x, y in zip(a, b, strict=True))
+
+
+def regenerate(text: str, scratch: Path) -> tuple[str, list[str]]:
+    lines = text.splitlines()
+    out: list[str] = []
+    problems: list[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        out.append(line)
+        i += 1
+        if not line.startswith(FENCE):
+            continue
+        end = lines.index(FENCE, i)
+        block = lines[i:end]
+        i = end
+        if line.strip() != FENCE or not any(b.startswith("$ modeltap ") for b in block):
+            out.extend(block)
+            continue
+        last_code = 0
+        raw = iter(block)
+        for command, readme_out in _commands(block):
+            head = next(raw)
+            out.append(head)
+            while head.endswith("\\"):
+                head = next(raw)
+                out.append(head)
+            for _ in readme_out:
+                next(raw)
+            if command.strip() == "echo $?":
+                generated = [str(last_code)]
+            elif command.startswith("modeltap "):
+                generated, last_code = run(command, scratch)
+            else:
+                raise ValueError(f"README example runs something other than modeltap: {command}")
+            new, stale = _merge(readme_out, generated)
+            out.extend(new)
+            problems += [f"`{command}`: {s!r}" for s in stale]
+    return "\n".join(out) + "\n", problems
+
+
+def main() -> int:
+    check = "--check" in sys.argv[1:]
+    with tempfile.TemporaryDirectory() as folder:
+        scratch = Path(folder)
+        (scratch / "models").symlink_to(ROOT / "models")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        new, problems = regenerate(README.read_text(), scratch)
+    if check:
+        for problem in problems:
+            print(f"out of date: {problem}", file=sys.stderr)
+        if problems:
+            print("README examples are out of date: run scripts/readme_examples.py", file=sys.stderr)
+        return 1 if problems else 0
+    README.write_text(new)
+    print(f"README.md: {len(problems)} example lines refreshed", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
