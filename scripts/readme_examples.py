@@ -17,7 +17,6 @@ not fail on another CPU's float rounding.
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import sys
 import tempfile
@@ -130,9 +129,10 @@ def regenerate(text: str, scratch: Path) -> tuple[str, list[str]]:
             continue
         end = lines.index(FENCE, i)
         block = lines[i:end]
-        i = end
+        i = end + 1
         if line.strip() != FENCE or not any(b.startswith("$ modeltap ") for b in block):
             out.extend(block)
+            out.append(FENCE)
             continue
         last_code = 0
         raw = iter(block)
@@ -153,6 +153,7 @@ def regenerate(text: str, scratch: Path) -> tuple[str, list[str]]:
             new, stale = _merge(readme_out, generated)
             out.extend(new)
             problems += [f"`{command}`: {s!r}" for s in stale]
+        out.append(FENCE)
     return "\n".join(out) + "\n", problems
 
 
@@ -167,7 +168,9 @@ def main() -> int:
         for problem in problems:
             print(f"out of date: {problem}", file=sys.stderr)
         if problems:
-            print("README examples are out of date: run scripts/readme_examples.py", file=sys.stderr)
+            print(
+                "README examples are out of date: run scripts/readme_examples.py", file=sys.stderr
+            )
         return 1 if problems else 0
     README.write_text(new)
     print(f"README.md: {len(problems)} example lines refreshed", file=sys.stderr)
