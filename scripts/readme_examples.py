@@ -23,36 +23,18 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.fixtures.golden import number, same_line  # noqa: E402
+
 README = ROOT / "README.md"
 FENCE = "```"
 ELIDED = "..."
 
 
-def _number(token: str) -> float | None:
-    try:
-        return float(token.rstrip("%,)").lstrip("(±"))
-    except ValueError:
-        return None
-
-
-def same_line(line: str, other: str, rel: float = 5e-3) -> bool:
-    """Equal word for word, numbers within their last shown digit."""
-    words, others = line.split(), other.split()
-    if len(words) != len(others):
-        return False
-    for word, theirs in zip(words, others, strict=True):
-        x, y = _number(word), _number(theirs)
-        if x is None or y is None:
-            if word != theirs:
-                return False
-        elif abs(x - y) > rel * max(abs(x), abs(y)) + 1e-12:
-            return False
-    return True
-
-
 def _shape(line: str) -> list[str]:
     """The words of a line with its numbers blanked: what an elided README line is matched by."""
-    return ["#" if _number(w) is not None else w for w in line.split()]
+    return ["#" if number(w) is not None else w for w in line.split()]
 
 
 def run(command: str, cwd: Path) -> tuple[list[str], int]:

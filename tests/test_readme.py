@@ -22,11 +22,8 @@ def test_readme_examples_are_current():
 
 
 def test_stale_output_is_detected():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from readme_examples import same_line
-    finally:
-        sys.path.pop(0)
+    from tests.fixtures.golden import same_line
+
     assert same_line("layer.0  1×4×384  21.99  0.02775", "layer.0  1×4×384  21.99  0.02776")
     assert not same_line("layer.0  1×4×384  21.99  0.02775", "layer.0  1×4×384  22.99  0.02775")
     assert not same_line(

@@ -9,6 +9,7 @@ from modeltap.dump import load_dump
 from modeltap.loading import Inputs
 from modeltap.render import dump_heading, dump_table, fmt
 from modeltap.run import dump_model
+from tests.fixtures.golden import same_render
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -17,33 +18,6 @@ def render(renderable, width):
     console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
     console.print(renderable)
     return console.file.getvalue()
-
-
-def _number(token):
-    try:
-        return float(token.rstrip("%"))
-    except ValueError:
-        return None
-
-
-def same_render(text, golden, rel=5e-3):
-    """Equal word for word, numbers within the last shown digit: a golden file must not hold the
-    machine's float rounding (another CPU sums in another order and moves the 4th digit)."""
-    lines, expected = text.splitlines(), golden.splitlines()
-    if len(lines) != len(expected):
-        return False
-    for line, gold in zip(lines, expected, strict=True):
-        words, gold_words = line.split(), gold.split()
-        if len(words) != len(gold_words):
-            return False
-        for word, gold_word in zip(words, gold_words, strict=True):
-            x, y = _number(word), _number(gold_word)
-            if x is None or y is None:
-                if word != gold_word:
-                    return False
-            elif abs(x - y) > rel * max(abs(x), abs(y)) + 1e-12:
-                return False
-    return True
 
 
 def check_golden(name, text, update):
