@@ -48,7 +48,7 @@ def is_sharded(tensor: Any) -> bool:
 def placement(tensor: Any) -> dict[str, Any]:
     """How a DTensor is laid out: placements, global shape, mesh shape, local shape."""
     return {
-        "placements": [str(p) for p in tensor.placements],
+        "placements": [repr(p) for p in tensor.placements],
         "global_shape": list(tensor.shape),
         "mesh": list(tensor.device_mesh.shape),
         "local_shape": list(tensor.to_local().shape),

@@ -87,7 +87,8 @@ class RunIndex:
         trip = next((t for t in index.trips if t["step"] == step and t.get("file")), None)
         name = (entry or {}).get("file") or (trip or {}).get("file")
         if name is None:
-            steps = sorted({s["step"] for s in index.steps} | {t["step"] for t in index.trips})
+            files = {t["step"] for t in index.trips if t.get("file")}
+            steps = sorted({s["step"] for s in index.steps} | files)
             shown = ", ".join(map(str, steps[:10])) + (" ..." if len(steps) > 10 else "")
             raise InputError(f"step {step} was not recorded on rank {rank}; recorded: {shown}")
         path = self.folder / name

@@ -435,8 +435,12 @@ class Recording:
         meta = {"modeltap_version": __version__, "torch": torch.__version__}
         if "transformers" in sys.modules:
             meta["transformers"] = str(sys.modules["transformers"].__version__)
+        first = next(iter(self.model.parameters()), None)
+        if first is not None:
+            meta.update(dtype=str(first.dtype).removeprefix("torch."), device=str(first.device))
         return {
             **meta,
+            "model": type(self.model).__name__,
             "model_class": type(self.model).__name__,
             "train_mode": str(self.model.training).lower(),
             "selection": json.dumps({**self.selection.as_dict(), "inputs": False}),

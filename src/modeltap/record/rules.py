@@ -97,8 +97,8 @@ class DeadUnits:
     name = "dead_units"
 
     def __call__(self, obs: Observation) -> tuple[float, str] | None:
-        if obs.kind != ACTIVATION or obs.stats is None:
-            return None
+        if obs.kind != ACTIVATION or obs.stats is None or obs.stats.nan:
+            return None  # NaN never counts as alive: the tripwire reports those
         share = obs.stats.dead_fraction
         if share is not None and share > self.fraction:
             return share, (
