@@ -382,11 +382,8 @@ class Recording:
             names.append(name)
             squares.append(
                 torch.stack(
-                    [
-                        torch.linalg.vector_norm((after - before).double()) ** 2,
-                        torch.linalg.vector_norm(before.double()) ** 2,
-                    ]
-                )
+                    [torch.linalg.vector_norm(after - before), torch.linalg.vector_norm(before)]
+                ).square()
             )
         if not squares:
             return {}
@@ -414,7 +411,8 @@ class Recording:
                 module = self._by_name.get(split_key(key)[0])
                 cls = type(module).__name__ if module is not None else None
                 out.append(Observation(key, ACTIVATION, stats, module_class=cls))
-        out += [Observation(n, UPDATE, value=r) for n, r in self._updates.items()]
+        dims = {n: p.dim() for n, p in self._named_params}
+        out += [Observation(n, UPDATE, value=r, dims=dims[n]) for n, r in self._updates.items()]
         return out
 
     def _settings(self) -> dict[str, Any]:

@@ -7,7 +7,8 @@ ones are frozen dataclasses whose fields are their thresholds:
     ExplodingGradient(threshold=1e3)    gradient norm above
     DeadUnits(fraction=0.5)             share of dead units of an activation above
     Saturation(threshold=0.95)          tanh/sigmoid output crowding its bounds
-    UpdateRatio(low=1e-8, high=1e-2)    ||w_after - w_before|| / ||w_before|| outside [low, high]
+    UpdateRatio(low=1e-8, high=1e-2)    ||w_after - w_before|| / ||w_before|| outside [low, high],
+                                        for parameters with at least min_dims=2 dimensions
 
 The gradient thresholds are on the norm, as `modeltap grads` flags them.
 """
@@ -39,6 +40,7 @@ class Observation:
     stats: TensorStats | None = None
     module_class: str | None = None
     value: float | None = None  # the update ratio
+    dims: int | None = None  # the parameter's number of dimensions, for updates
 
 
 @dataclass(frozen=True)
@@ -131,12 +133,16 @@ class Saturation:
 
 @dataclass(frozen=True)
 class UpdateRatio:
+    """Weight matrices by default (`min_dims=2`): biases and norms start at or near zero, so
+    their ratio says little."""
+
     low: float = 1e-8
     high: float = 1e-2
+    min_dims: int = 2
     name = "update_ratio"
 
     def __call__(self, obs: Observation) -> tuple[float, str] | None:
-        if obs.kind != UPDATE or obs.value is None:
+        if obs.kind != UPDATE or obs.value is None or (obs.dims or 0) < self.min_dims:
             return None
         if obs.value > self.high:
             return obs.value, f"update/weight ratio {obs.value:.3g} > {self.high:g}"

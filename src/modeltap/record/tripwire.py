@@ -162,6 +162,7 @@ class Watch:
         self.counts: dict[str, int] = {}
         self.slot_keys: list[str] = []
         self.slot_of: dict[int, int] = {}
+        self.flag_of: dict[tuple[int, int], torch.Tensor] = {}
         self.grad_flags: dict[int, tuple[int, torch.Tensor]] = {}
         self.grads: dict[int, torch.Tensor] = {}
         self.forward_checked = True
@@ -173,13 +174,24 @@ class Watch:
         call = self.counts.get(name, 0)
         self.counts[name] = call + 1
         outputs = float_leaves(output)
-        c = Call(name, call, module, output, args, kwargs, outputs, [flag(t) for _, t in outputs])
+        c = Call(
+            name, call, module, output, args, kwargs, outputs, [self._flag(t) for _, t in outputs]
+        )
         if any(t.requires_grad for _, t in outputs):
             c.in_slots = [self._slot(t, c.key(p)) for p, t in c.inputs() if t.requires_grad]
             c.out_slots = [self._slot(t, c.key(p)) for p, t in outputs if t.requires_grad]
             self.shapes.append(Shape(name, call, type(module).__name__, c.in_slots, c.out_slots))
         self.calls.append(c)
         self.forward_checked = False
+
+    def _flag(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The flag of a tensor, once per tensor and version: a wrapper returning its child's
+        very tensor costs nothing (the calls hold the tensors, so ids are not reused)."""
+        key = (id(tensor), tensor._version)
+        found = self.flag_of.get(key)
+        if found is None:
+            found = self.flag_of[key] = flag(tensor)
+        return found
 
     def _slot(self, tensor: torch.Tensor, key: str) -> int:
         slot = self.slot_of.get(id(tensor))
@@ -217,6 +229,7 @@ class Watch:
         """Drop the forward's tensors (the backward check needs only the slots)."""
         self.calls = []
         self.slot_of = {}
+        self.flag_of = {}
 
     # -- backward ---------------------------------------------------------------------------
     def _grad_hook(self, slot: int) -> Callable[[torch.Tensor], None]:
