@@ -537,7 +537,7 @@ def run_heading(run: Any, rank: int) -> Text:
         text.append("\ntripwire: ", style="bold red")
         text.append(
             f"step {trip['step']} {trip['phase']}: module '{trip['module']}' "
-            f"({trip['module_class']}) {trip['key']}"
+            f"({trip['module_class']}), tensor {trip['key']}"
             + (" (propagated)" if trip.get("propagated") else "")
             + (f"; full dump {trip['file']}" if trip.get("file") else ""),
             style="red",

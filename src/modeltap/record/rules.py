@@ -7,7 +7,7 @@ ones are frozen dataclasses whose fields are their thresholds:
     ExplodingGradient(threshold=1e3)    gradient norm above
     DeadUnits(fraction=0.5)             share of dead units of an activation above
     Saturation(threshold=0.95)          tanh/sigmoid output crowding its bounds
-    UpdateRatio(low=1e-8, high=1e-2)    ||w_after - w_before|| / ||w_before|| outside [low, high],
+    UpdateRatio(low=1e-8, high=1e-1)    ||w_after - w_before|| / ||w_before|| outside [low, high],
                                         for parameters with at least min_dims=2 dimensions
 
 The gradient thresholds are on the norm, as `modeltap grads` flags them.
@@ -137,7 +137,7 @@ class UpdateRatio:
     their ratio says little."""
 
     low: float = 1e-8
-    high: float = 1e-2
+    high: float = 1e-1
     min_dims: int = 2
     name = "update_ratio"
 
