@@ -375,7 +375,17 @@ def test_bad_arguments(tmp_path: Path) -> None:
         modeltap.record(model, tmp_path / "file")
 
 
-# -- torchrun, 2 ranks, gloo on CPU -----------------------------------------------------------
+def test_selected_modules_that_never_run_are_reported(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    model.unused = nn.Linear(2, 2)
+    run_steps(model, tmp_path / "run", 1, every=1, include=["fc*", "unused"])
+    dump = load_dump(tmp_path / "run" / "step000000.rank0.safetensors")
+    assert json.loads(dump.metadata["record"])["not_run"] == ["unused"]
+    assert [k for k in dump.keys() if not k.startswith("grad/")] == ["fc1", "fc2"]
+
+
+# -- torchrun, 2 ranks, gloo on CPU ---------------------------------------------------------
 
 
 def _reference_grads(steps: int, world: int) -> dict[int, dict[str, torch.Tensor]]:
