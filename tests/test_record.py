@@ -375,6 +375,24 @@ def test_bad_arguments(tmp_path: Path) -> None:
         modeltap.record(model, tmp_path / "file")
 
 
+def test_a_step_left_without_step_is_written_at_the_end(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    with modeltap.record(model, tmp_path / "run", every=2) as rec:
+        model(batch(0)).sum().backward()
+        rec.step()
+        model(batch(1)).sum().backward()
+        rec.step()
+        model(batch(2)).sum().backward()  # step 2, recorded, ends with the block
+    with modeltap.record(model, tmp_path / "idle", every=1) as rec:
+        rec.step()  # a step that never ran the model writes nothing
+    assert sorted(p.name for p in (tmp_path / "run").glob("step*")) == [
+        "step000000.rank0.safetensors",
+        "step000002.rank0.safetensors",
+    ]
+    assert sorted(p.name for p in (tmp_path / "idle").iterdir()) == ["index.rank0.jsonl"]
+
+
 def test_selected_modules_that_never_run_are_reported(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Tiny()

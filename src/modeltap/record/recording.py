@@ -164,9 +164,10 @@ class Recording:
         try:
             if exc_type is None:
                 self._check_pending()
-                if self._writer is not None and (self._writer.stats or self._writer.aliases):
+                if self._recording and self._step_ran:  # the last step, left without step()
                     self._record_params()
-                    self._finish_step()
+                    if self._writer is not None:
+                        self._finish_step()
         finally:
             self._close()
 
@@ -190,10 +191,12 @@ class Recording:
         """End the current step: write what it recorded, if anything; return its rule hits."""
         self._check_pending()
         hits: list[RuleHit] = []
-        if self._recording:
+        if self._recording and self._step_ran:
             self._record_params()
             if self._writer is not None:
                 hits = self._finish_step()
+        if self._writer is not None:
+            self._writer.abort()  # a step in which the model never ran writes nothing
         if self._watch is not None:
             self._watch.reset()
         self.step_index += 1
@@ -207,6 +210,7 @@ class Recording:
 
     def _reset_step_state(self) -> None:
         self._recording = False
+        self._step_ran = False  # the same on every rank, unlike what each rank writes
         self._writer: DumpWriter | None = None
         self._recorder: Recorder | None = None
         self._grad_keys: list[str] = []
@@ -268,9 +272,11 @@ class Recording:
     # -- hooks ------------------------------------------------------------------------------
     def _forward_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if self._recorder is not None:
+            if self._recording:
+                self._step_ran = True
                 self._ran.add(name)
-                self._recorder.record(name, output)
+                if self._recorder is not None:
+                    self._recorder.record(name, output)
             if self._watch is not None:
                 self._watch.forward(name, module, args, kwargs, output)
 
@@ -448,9 +454,12 @@ class Recording:
             "backend": self.rank.backend,
         }
 
-    def _metadata(self, writer: DumpWriter, recorder: Recorder, hits: list[RuleHit]) -> dict:
-        grads = [k for k in self._grad_hooked if k in set(self._grad_keys)]
-        aliased = [k for k, t in self._grad_aliases.items() if t in set(self._grad_keys)]
+    def _metadata(
+        self, writer: DumpWriter, recorder: Recorder, hits: list[RuleHit]
+    ) -> dict[str, str]:
+        fired = set(self._grad_keys)
+        grads = [k for k in self._grad_hooked if k in fired]
+        aliased = [k for k, t in self._grad_aliases.items() if t in fired]
         order = list(recorder.order)
         order += [GRAD_PREFIX + k for k in self._grad_keys]
         order += [GRAD_PREFIX + k for k in aliased]
