@@ -79,3 +79,10 @@ def test_number_format_fits_eight_characters():
     for value in (0.0, 0.007522, 886.7178, -1.79e-4, 3.4e38, -12345.678, float("nan"), 1e-12):
         assert len(fmt(value)) <= 8, fmt(value)
     assert fmt(-1.79e-4) == "-1.79e-4" and fmt(886.7178) == "886.7"
+
+
+def test_sparkline_is_log_scaled_and_marks_gaps_and_nonfinite() -> None:
+    from modeltap.render import sparkline
+
+    assert sparkline([1.0, 10.0, 100.0, None, float("nan"), 0.0]) == "▁▅█ !▁"
+    assert sparkline([3.0, 3.0]) == "▁▁"

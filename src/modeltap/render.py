@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from modeltap.diff import DiffReport
     from modeltap.diff import Pair as DiffPair
     from modeltap.dump import Dump
+    from modeltap.record.index import RunIndex
     from modeltap.stats import TensorStats
 
 # A unit share at or above this many dead units is shown in the warning colour.
@@ -512,7 +513,7 @@ def _series(steps: list[dict[str, Any]], key: str, field_: str = "norm") -> list
     return out
 
 
-def run_heading(run: Any, rank: int) -> Text:
+def run_heading(run: RunIndex, rank: int) -> Text:
     """What was recorded: ranks, settings, steps, rule hits and tripwire events."""
     index = run.ranks[rank]
     start = index.start
@@ -545,7 +546,7 @@ def run_heading(run: Any, rank: int) -> Text:
     return text
 
 
-def run_table(run: Any, rank: int, *, width: int = 80) -> Table:
+def run_table(run: RunIndex, rank: int, *, width: int = 80) -> Table:
     """Per module: activation norm and gradient norm over the recorded steps, last dead share,
     and flags (rule hits, the tripwire). Parameter gradients follow, with update ratios."""
     index = run.ranks[rank]
@@ -619,7 +620,7 @@ def run_table(run: Any, rank: int, *, width: int = 80) -> Table:
     return table
 
 
-def run_json(run: Any) -> dict[str, Any]:
+def run_json(run: RunIndex) -> dict[str, Any]:
     """The run's index as one JSON-ready object: per rank, its settings, steps and trips."""
     return {
         "folder": str(run.folder),
