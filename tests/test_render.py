@@ -121,3 +121,10 @@ def test_plain_weights_file_keeps_every_number_at_80_columns(tmp_path):
     assert row.split()[1] == "384×384" and "…" not in " ".join(row.split()[1:])
     norm = float(row.split()[2])
     assert norm == pytest.approx(float(torch.linalg.vector_norm(dump[name])), rel=1e-3)
+
+
+def test_sparkline_is_log_scaled_and_marks_gaps_and_nonfinite() -> None:
+    from modeltap.render import sparkline
+
+    assert sparkline([1.0, 10.0, 100.0, None, float("nan"), 0.0]) == "▁▅█ !▁"
+    assert sparkline([3.0, 3.0]) == "▁▁"

@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# Bound eagerly (capture.py imports no torch at load time): the submodule has the same name, and
-# a lazy attribute would be shadowed by the submodule as soon as anything imported it.
+# Bound eagerly (capture and record import no torch at load time): each submodule has the same
+# name as its function, and a lazy attribute would be shadowed by the submodule as soon as
+# anything imported it.
 from modeltap.capture import capture  # noqa: E402
+from modeltap.record import record  # noqa: E402
 
 _EXPORTS = {
     "hooks": "modeltap.capture",
@@ -46,6 +48,7 @@ __all__ = [
     "hooks",
     "load_dump",
     "load_model",
+    "record",
     "select_modules",
     "tensor_stats",
     "text_inputs",

@@ -56,6 +56,16 @@ METADATA_KEYS = {
     "stats_only": "'true' when no tensor data was written",
     "dead_threshold": "threshold used for dead units",
     "grad": "JSON, with gradients: target, loss, grad_output, seed, wrt, no_path, jacobian...",
+    # Written by modeltap.record, one file per recorded step and rank:
+    "step": "training step the file records",
+    "rank": "torch.distributed rank that wrote it (0 without a process group)",
+    "world_size": "number of ranks (1 without a process group)",
+    "backend": "process group backend (gloo, nccl...) or 'none'",
+    "record": "JSON: every, full_every, grads, params, gather, on_nonfinite, not_run",
+    "placements": "JSON: key -> placements, global_shape, mesh, local_shape of a sharded tensor",
+    "updates": "JSON: parameter -> ||w_after - w_before|| / ||w_before|| of the step",
+    "rules": "JSON list of rule hits: rule, step, rank, key, value, message",
+    "tripwire": "JSON: where the first non-finite value came from (step, phase, module...)",
 }
 
 _DTYPES = {

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from modeltap.diff import DiffReport
     from modeltap.diff import Pair as DiffPair
     from modeltap.dump import Dump
+    from modeltap.record.index import RunIndex
     from modeltap.stats import TensorStats
 
 # A unit share at or above this many dead units is shown in the warning colour.
@@ -511,3 +512,169 @@ def grads_table(dump: Dump, *, width: int = 80) -> Table:
 
 def _grad_flag_or_target(key: str, stats: TensorStats, grad: dict[str, Any]) -> str:
     return grad_flag(stats, grad) or ("target" if key == grad.get("target") else "")
+
+
+# -- runs recorded with modeltap.record (`modeltap show DIR`) --------------------------------
+
+SPARKS = "▁▂▃▄▅▆▇█"
+# Points in a trend: longer runs show evenly spaced recorded steps.
+TREND_POINTS = 24
+
+
+def sparkline(values: Sequence[float | None]) -> str:
+    """One character per value on a log scale; `!` for NaN/Inf, space for a missing value."""
+    logs = [math.log10(v) for v in values if v is not None and math.isfinite(v) and v > 0]
+    lo, hi = (min(logs), max(logs)) if logs else (0.0, 0.0)
+    out = []
+    for v in values:
+        if v is None:
+            out.append(" ")
+        elif not math.isfinite(v):
+            out.append("!")
+        elif v <= 0:
+            out.append(SPARKS[0])
+        else:
+            level = 0 if hi == lo else (math.log10(v) - lo) / (hi - lo)
+            out.append(SPARKS[min(len(SPARKS) - 1, int(level * len(SPARKS)))])
+    return "".join(out)
+
+
+def _trend_steps(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if len(steps) <= TREND_POINTS:
+        return steps
+    picks = {round(i * (len(steps) - 1) / (TREND_POINTS - 1)) for i in range(TREND_POINTS)}
+    return [s for i, s in enumerate(steps) if i in picks]
+
+
+def _series(steps: list[dict[str, Any]], key: str, field_: str = "norm") -> list[float | None]:
+    out: list[float | None] = []
+    for s in steps:
+        entry = s["keys"].get(key)
+        if entry is None:
+            target = s.get("aliases", {}).get(key)
+            entry = s["keys"].get(target) if target else None
+        if entry is None:
+            out.append(None)
+        elif entry.get("nonfinite") and field_ == "norm":
+            out.append(math.nan)
+        else:
+            out.append(entry.get(field_))
+    return out
+
+
+def run_heading(run: RunIndex, rank: int) -> Text:
+    """What was recorded: ranks, settings, steps, rule hits and tripwire events."""
+    index = run.ranks[rank]
+    start = index.start
+    steps = [s["step"] for s in index.steps]
+    text = Text()
+    text.append(str(run.folder), style="bold")
+    text.append(
+        f"  rank {rank} of {start.get('world_size', '?')} ({start.get('backend', '?')})"
+        f", ranks with an index: {', '.join(map(str, run.ranks))}\n"
+    )
+    text.append(f"{len(steps)} recorded steps", style="bold")
+    if steps:
+        text.append(f" ({steps[0]}..{steps[-1]}, every {start.get('every', '?')})")
+    hits = [h for s in index.steps for h in s.get("hits", [])]
+    if hits:
+        counts: dict[str, int] = {}
+        for h in hits:
+            counts[h["rule"]] = counts.get(h["rule"], 0) + 1
+        text.append(", rule hits: ")
+        text.append(", ".join(f"{n} {r}" for r, n in counts.items()), style="yellow")
+    for trip in index.trips:
+        text.append("\ntripwire: ", style="bold red")
+        text.append(
+            f"step {trip['step']} {trip['phase']}: module '{trip['module']}' "
+            f"({trip['module_class']}), tensor {trip['key']}"
+            + (" (propagated)" if trip.get("propagated") else "")
+            + (f"; full dump {trip['file']}" if trip.get("file") else ""),
+            style="red",
+        )
+    return text
+
+
+def run_table(run: RunIndex, rank: int, *, width: int = 80) -> Table:
+    """Per module: activation norm and gradient norm over the recorded steps, last dead share,
+    and flags (rule hits, the tripwire). Parameter gradients follow, with update ratios."""
+    index = run.ranks[rank]
+    steps = sorted(index.steps, key=lambda s: s["step"])
+    shown = _trend_steps(steps)
+    keys: list[str] = []
+    for s in steps:
+        for k in [*s["keys"], *s.get("aliases", {})]:
+            if k not in keys:
+                keys.append(k)
+    params = {k for s in steps for k in s.get("updates", {})}
+    for s in steps:
+        order = [k for k in s["keys"] if k.startswith(GRAD_PREFIX)]
+        params |= {k[len(GRAD_PREFIX) :] for k in order if k[len(GRAD_PREFIX) :] not in keys}
+    flags: dict[str, list[str]] = {}
+    for s in steps:
+        for h in s.get("hits", []):
+            key = h["key"].removeprefix(GRAD_PREFIX)
+            if h["rule"] not in flags.setdefault(key, []):
+                flags[key].append(h["rule"])
+    trips: dict[str, list[str]] = {}
+    for trip in index.trips:
+        trips.setdefault(trip["module"], []).append(f"NaN@{trip['step']} {trip['phase']}")
+    table = _plain_table()
+    table.add_column("module", no_wrap=True, overflow="ellipsis", max_width=max(16, width - 60))
+    table.add_column("norm", no_wrap=True)
+    table.add_column("last", justify="right")
+    table.add_column("dead", justify="right")
+    table.add_column("grad norm", no_wrap=True)
+    table.add_column("last", justify="right")
+    table.add_column("flags", no_wrap=True, overflow="ellipsis")
+    activations = [k for k in keys if not k.startswith(GRAD_PREFIX)]
+    last = steps[-1] if steps else {"keys": {}}
+    for label, key in _walk(_module_tree(activations), None, ""):
+        if key is None:
+            table.add_row(label)
+            continue
+        norms = _series(shown, key)
+        grads = _series(shown, GRAD_PREFIX + key)
+        dead = _series([last], key, "dead")[0]
+        flag = ", ".join(trips.get(split_key(key)[0], []) + flags.get(key, []))
+        table.add_row(
+            Text(label, style="bold red" if "NaN@" in flag else ""),
+            sparkline(norms),
+            fmt(_series([last], key)[0]),
+            "-" if dead is None else f"{dead:.0%}",
+            sparkline(grads) if any(g is not None for g in grads) else "",
+            fmt(_series([last], GRAD_PREFIX + key)[0]),
+            Text(flag, style="bold red" if "NaN@" in flag else "yellow"),
+        )
+    param_keys = [k[len(GRAD_PREFIX) :] for k in keys if k[len(GRAD_PREFIX) :] in params]
+    if param_keys:
+        table.add_row()
+        table.add_row(Text("parameter", style="bold"), "", "", "", Text("grad norm", style="bold"))
+    for name in param_keys:
+        grads = _series(shown, GRAD_PREFIX + name)
+        ratio = last.get("updates", {}).get(name)
+        table.add_row(
+            name,
+            "",
+            "",
+            "",
+            sparkline(grads),
+            fmt(_series([last], GRAD_PREFIX + name)[0]),
+            Text(
+                ", ".join(flags.get(name, []))
+                + ("" if ratio is None else f"{'  ' if flags.get(name) else ''}upd {fmt(ratio)}"),
+                style="yellow" if flags.get(name) else "",
+            ),
+        )
+    return table
+
+
+def run_json(run: RunIndex) -> dict[str, Any]:
+    """The run's index as one JSON-ready object: per rank, its settings, steps and trips."""
+    return {
+        "folder": str(run.folder),
+        "ranks": {
+            str(r): {"start": i.start, "steps": i.steps, "trips": i.trips}
+            for r, i in run.ranks.items()
+        },
+    }

@@ -1,4 +1,4 @@
-"""`modeltap show`: a dump's tree of statistics, from the file alone."""
+"""`modeltap show`: a dump's tree of statistics, or a recorded run's trends, from files alone."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from modeltap.cli.app import app, handle_errors, stderr, stdout
 from modeltap.cli.options import (
     JsonOpt,
 )
+from modeltap.errors import InputError
 
 
 @app.command()
@@ -19,13 +20,37 @@ from modeltap.cli.options import (
 def show(
     file: Annotated[
         Path,
-        typer.Argument(help="A dump written by modeltap (or any safetensors).", metavar="FILE"),
+        typer.Argument(
+            help="A dump written by modeltap (or any safetensors), or a run folder of "
+            "modeltap.record.",
+            metavar="PATH",
+        ),
     ],
+    step: Annotated[
+        int | None, typer.Option(help="Run folder: show this recorded step's tree.", metavar="N")
+    ] = None,
+    rank: Annotated[
+        int, typer.Option(help="Run folder: the rank to show.", metavar="R")
+    ] = 0,
     json_out: JsonOpt = False,
 ) -> None:
-    """Print a dump's tree of statistics again, from the file alone."""
+    """Print a dump's tree of statistics, or a recorded run's trends over its steps."""
     from modeltap.dump import load_dump
 
+    if file.is_dir():
+        from modeltap.record.index import read_run
+
+        run = read_run(file)
+        if step is not None:
+            file = run.step_file(step, rank)
+            if not json_out:
+                world = run.ranks[rank].start.get("world_size", "?")
+                stdout().print(f"{file.name}: step {step}, rank {rank} of {world}", style="bold")
+        else:
+            print_run(run, rank=rank, json_out=json_out)
+            return
+    elif step is not None or rank != 0:
+        raise InputError("--step and --rank are for a run folder; give the folder, not a file")
     opened = load_dump(file)
     if not opened.is_modeltap:
         stderr().print("no modeltap metadata: computing statistics from the tensors")
@@ -33,6 +58,21 @@ def show(
 
         opened.stats = {k: tensor_stats(opened[k]) for k in opened.stored}
     print_opened(opened, json_out=json_out)
+
+
+def print_run(run: Any, *, rank: int, json_out: bool) -> None:
+    from modeltap.render import run_heading, run_json, run_table
+
+    if rank not in run.ranks:
+        raise InputError(
+            f"no rank {rank} in '{run.folder}'; ranks: {', '.join(map(str, run.ranks))}"
+        )
+    if json_out:
+        print(json.dumps(run_json(run), indent=1))
+        return
+    console = stdout()
+    console.print(run_heading(run, rank))
+    console.print(run_table(run, rank, width=console.width))
 
 
 def print_opened(opened: Any, *, json_out: bool) -> None:

@@ -1,0 +1,704 @@
+"""`record`: statistics (now and then full tensors) of a model inside the user's training loop.
+
+The hooks stay on for the whole `with` block; on a step that is not recorded and with the tripwire
+off they do one attribute check each. A recorded step streams the statistics of every selected
+module's output, of the gradients w.r.t. those outputs (tensor hooks, so the user's own backward
+computes them) and of the parameter gradients (read when an optimizer over the model's parameters
+is about to step, else at `step()`) into `step{N:06d}.rank{R}.safetensors`, the dump format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from modeltap.capture import Recorder, split_key
+from modeltap.dump import GRAD_PREFIX, DumpWriter
+from modeltap.errors import InputError
+from modeltap.record import dist
+from modeltap.record.index import IndexWriter, step_file_name, summary
+from modeltap.record.rules import (
+    ACTIVATION,
+    GRADIENT,
+    PARAM_GRAD,
+    UPDATE,
+    ExplodingGradient,
+    Observation,
+    RuleHit,
+    VanishingGradient,
+    apply_rules,
+    default_rules,
+)
+from modeltap.record.tripwire import BACKWARD, FORWARD, NonFiniteError, Trip, Watch
+from modeltap.selection import ROOT, Selection, select_modules
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from modeltap.record.tripwire import Call, Shape
+
+logger = logging.getLogger("modeltap.record")
+
+ON_NONFINITE = ("raise", "dump", "warn", "dump-warn", "off")
+# Header bytes reserved per recorded key (statistics and entry).
+_RESERVE_PER_KEY = 768
+
+RuleFn = Callable[[Observation], "tuple[float, str] | None"]
+
+
+class Recording:
+    """What `record(...)` returns; use it as a context manager and call `step()` once per step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        out_dir: str | os.PathLike[str],
+        *,
+        every: int = 100,
+        grads: bool = True,
+        params: bool = True,
+        stats_only: bool = True,
+        full_every: int | None = None,
+        include: Sequence[str] = (),
+        exclude: Sequence[str] = (),
+        depth: int | None = None,
+        on_nonfinite: str = "raise",
+        rules: Sequence[RuleFn] | None = None,
+        gather: bool = False,
+        dead_threshold: float = 0.0,
+        start_step: int = 0,
+    ) -> None:
+        if not isinstance(every, int) or every < 1:
+            raise InputError(f"every must be a whole number of steps >= 1, got {every!r}")
+        if full_every is not None and (not isinstance(full_every, int) or full_every < 1):
+            raise InputError(f"full_every must be None or a number of steps >= 1, not {full_every}")
+        if on_nonfinite not in ON_NONFINITE:
+            raise InputError(
+                f"on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}"
+            )
+        self.out_dir = Path(out_dir)
+        if self.out_dir.exists() and not self.out_dir.is_dir():
+            raise InputError(f"'{self.out_dir}' is a file; give record() a folder for the run")
+        self.model = dist.unwrap(model)
+        self.every = every
+        self.grads = grads
+        self.params = params
+        self.stats_only = stats_only
+        self.full_every = full_every
+        self.selection = Selection(depth, tuple(include), tuple(exclude))
+        self.on_nonfinite = on_nonfinite
+        self.rules: list[RuleFn] = list(default_rules() if rules is None else rules)
+        self.gather = gather
+        self.dead_threshold = dead_threshold
+        self.hits: list[RuleHit] = []
+        self.trips: list[Trip] = []
+        self.step_index = start_step
+        self.rank = dist.RankInfo()
+        self._modules: list[str] = select_modules(self.model, self.selection)
+        self._by_name = {(n or ROOT): m for n, m in self.model.named_modules()}
+        self._handles: list[Any] = []
+        self._index: IndexWriter | None = None
+        self._watch: Watch | None = None
+        self._dumped: set[str] = set()
+        self._lock = threading.Lock()
+        self._optimizers: dict[int, bool] = {}
+        self._param_ids: set[int] = set()
+        self._named_params: list[tuple[str, Any]] = []
+        self._ran: set[str] = set()
+        self._reset_step_state()
+
+    # -- the with block ---------------------------------------------------------------------
+    def __enter__(self) -> Recording:
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        self.rank = dist.rank_info()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(self.out_dir, os.W_OK):
+            raise InputError(f"'{self.out_dir}' is not writable; give record() another folder")
+        self._named_params = [(n, p) for n, p in self.model.named_parameters()]
+        self._param_ids = {id(p) for _, p in self._named_params}
+        try:
+            if self.on_nonfinite != "off":
+                self._watch = Watch(
+                    hold_grads=self.on_nonfinite.startswith("dump"),
+                    on_backward_end=self._after_backward,
+                )
+            root = self.model
+            self._handles.append(root.register_forward_pre_hook(self._before_forward))
+            for name in self._modules:
+                hook = self._forward_hook(name)
+                self._handles.append(
+                    self._by_name[name].register_forward_hook(hook, with_kwargs=True)
+                )
+            # Registered last, so that it runs after the root's own capture hook.
+            self._handles.append(root.register_forward_hook(self._after_forward))
+            self._handles.append(register_optimizer_step_pre_hook(self._before_optimizer))
+            self._handles.append(register_optimizer_step_post_hook(self._after_optimizer))
+            self._index = IndexWriter(self.out_dir, self.rank.rank)
+            self._index.write(
+                "start",
+                rank=self.rank.rank,
+                world_size=self.rank.world_size,
+                backend=self.rank.backend,
+                **self._settings(),
+                modules=len(self._modules),
+            )
+            self._begin_step()
+        except BaseException:
+            self._close()
+            raise
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if exc_type is None:
+                self._check_pending()
+                if self._recording and self._step_ran:  # the last step, left without step()
+                    self._record_params()
+                    if self._writer is not None:
+                        self._finish_step()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """Everything off: hooks, the open step file (removed unless finished), the index."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+        if self._watch is not None:
+            self._watch.reset()
+        self._snapshot = {}
+        if self._index is not None:
+            self._index.close()
+            self._index = None
+
+    # -- steps ------------------------------------------------------------------------------
+    def step(self) -> list[RuleHit]:
+        """End the current step: write what it recorded, if anything; return its rule hits."""
+        self._check_pending()
+        hits: list[RuleHit] = []
+        if self._recording and self._step_ran:
+            self._record_params()
+            if self._writer is not None:
+                hits = self._finish_step()
+        if self._writer is not None:
+            self._writer.abort()  # a step in which the model never ran writes nothing
+        if self._watch is not None:
+            self._watch.reset()
+        self.step_index += 1
+        self._begin_step()
+        return hits
+
+    @property
+    def recording(self) -> bool:
+        """Whether the current step is recorded."""
+        return self._recording
+
+    def _reset_step_state(self) -> None:
+        self._recording = False
+        self._step_ran = False  # the same on every rank, unlike what each rank writes
+        self._writer: DumpWriter | None = None
+        self._recorder: Recorder | None = None
+        self._grad_keys: list[str] = []
+        self._grad_hooked: list[str] = []
+        self._grad_aliases: dict[str, str] = {}
+        self._param_keys: list[str] = []
+        self._params_done = False
+        self._placements: dict[str, Any] = {}
+        self._snapshot: dict[str, torch.Tensor] = {}
+        self._updates: dict[str, float] = {}
+
+    def _begin_step(self) -> None:
+        self._reset_step_state()
+        self._recording = self.step_index % self.every == 0
+        if not self._recording or (self.gather and self.rank.rank != 0):
+            return  # gathering ranks other than 0 take part in the collectives only
+        full = not self.stats_only or bool(
+            self.full_every and self.step_index % self.full_every == 0
+        )
+        keys = len(self._modules) * (1 + self.grads) + len(self._named_params) * self.params
+        writer = DumpWriter(
+            self.out_dir / step_file_name(self.step_index, self.rank.rank),
+            stats_only=not full,
+            dead_threshold=self.dead_threshold,
+            reserve=8192 + _RESERVE_PER_KEY * keys,
+        )
+        writer.__enter__()
+        self._writer = writer
+        self._recorder = Recorder(_StepSink(self))
+
+    def _finish_step(self) -> list[RuleHit]:
+        writer, recorder = self._writer, self._recorder
+        assert writer is not None and recorder is not None
+        self._writer = None
+        hits = apply_rules(
+            self.rules, self._observations(writer), step=self.step_index, rank=self.rank.rank
+        )
+        meta = self._metadata(writer, recorder, hits)
+        path = writer.finish(meta)
+        for hit in hits:
+            logger.warning("%s", hit)
+        self.hits += hits
+        assert self._index is not None
+        self._index.write(
+            "step",
+            step=self.step_index,
+            rank=self.rank.rank,
+            file=path.name,
+            full=not writer.stats_only,
+            keys={
+                k: summary(s, gradient=k.startswith(GRAD_PREFIX)) for k, s in writer.stats.items()
+            },
+            aliases=writer.aliases,
+            updates=self._updates,
+            hits=[h.to_json() for h in hits],
+        )
+        return hits
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _forward_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if self._recording:
+                self._step_ran = True
+                self._ran.add(name)
+                if self._recorder is not None:
+                    self._recorder.record(name, output)
+            if self._watch is not None:
+                self._watch.forward(name, module, args, kwargs, output)
+
+        return hook
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        watch = self._watch
+        if watch is not None and watch.calls and watch.forward_checked and not watch.grad_flags:
+            # A forward whose tensors were kept for a backward that never came (no_grad, eval).
+            watch.let_go()
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._check_forward()
+
+    def _after_backward(self) -> None:
+        self._check_backward()
+
+    def _check_pending(self) -> None:
+        if self._watch is None:
+            return
+        if not self._watch.forward_checked:
+            self._check_forward()
+        if self._watch.grad_flags:
+            self._check_backward()
+
+    def _check_forward(self) -> None:
+        watch = self._watch
+        if watch is None or watch.forward_checked:
+            return
+        found = watch.find_forward()
+        if found is None:
+            if not self.on_nonfinite.startswith("dump"):
+                watch.let_go()
+            return
+        self._trip(self._forward_trip(*found))
+
+    def _check_backward(self) -> None:
+        watch = self._watch
+        if watch is None:
+            return
+        try:
+            found = watch.find_backward()
+            if found is not None:
+                self._trip(self._backward_trip(*found))
+        finally:
+            if self.on_nonfinite.startswith("dump"):
+                watch.let_go()
+            watch.reset_backward()
+
+    def _is_ours(self, optimizer: Any) -> bool:
+        known = self._optimizers.get(id(optimizer))
+        if known is None:
+            known = any(
+                id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"]
+            )
+            self._optimizers[id(optimizer)] = known
+        return known
+
+    def _before_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._recording or not self._is_ours(optimizer):
+            return
+        self._check_pending()  # a NaN gradient is reported before it reaches the weights
+        self._record_params()
+        if self.params and not self._snapshot:
+            self._snapshot = {
+                n: dist.local_view(p).detach().clone()
+                for n, p in self._named_params
+                if p.grad is not None
+            }
+
+    def _after_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._snapshot or not self._is_ours(optimizer):
+            return
+        self._updates = self._update_ratios()
+        self._snapshot = {}
+
+    # -- parameters -------------------------------------------------------------------------
+    def _record_params(self) -> None:
+        """Parameter gradients, once per recorded step, before the optimizer or zero_grad."""
+        if not self._recording or not self.params or self._params_done:
+            return
+        self._params_done = True
+        writer = self._writer
+        for name, p in self._named_params:
+            g = p.grad
+            if g is None:
+                continue
+            key = GRAD_PREFIX + name
+            if dist.is_sharded(g):
+                if self.gather:
+                    g = dist.full_view(g)  # every rank takes part; rank 0 writes
+                else:
+                    self._placements[key] = dist.placement(g)
+                    g = dist.local_view(g)
+            if writer is not None:
+                writer.tensor(key, g.detach(), count_zeros=True)
+                self._param_keys.append(name)
+
+    def _update_ratios(self) -> dict[str, float]:
+        """||w_after - w_before|| / ||w_before|| per parameter (0-norm parameters left out)."""
+        import torch
+
+        names, squares = [], []
+        for name, p in self._named_params:
+            before = self._snapshot.get(name)
+            if before is None:
+                continue
+            after = dist.local_view(p).detach()
+            names.append(name)
+            squares.append(
+                torch.stack(
+                    [torch.linalg.vector_norm(after - before), torch.linalg.vector_norm(before)]
+                ).square()
+            )
+        if not squares:
+            return {}
+        sums = torch.stack(squares)
+        if self.gather and any(dist.is_sharded(p) for _, p in self._named_params):
+            import torch.distributed as tdist
+
+            tdist.all_reduce(sums)  # the shards' squares add up to the whole parameter's
+        out = {}
+        for name, (delta, weight) in zip(names, sums.tolist(), strict=True):
+            if weight > 0 and math.isfinite(delta):
+                out[name] = math.sqrt(delta / weight)
+        return out
+
+    # -- rules and metadata -----------------------------------------------------------------
+    def _observations(self, writer: DumpWriter) -> list[Observation]:
+        params = set(self._param_keys)
+        out = []
+        for key, stats in writer.stats.items():
+            if key.startswith(GRAD_PREFIX):
+                inner = key[len(GRAD_PREFIX) :]
+                kind = PARAM_GRAD if inner in params else GRADIENT
+                out.append(Observation(key, kind, stats))
+            else:
+                module = self._by_name.get(split_key(key)[0])
+                cls = type(module).__name__ if module is not None else None
+                out.append(Observation(key, ACTIVATION, stats, module_class=cls))
+        dims = {n: p.dim() for n, p in self._named_params}
+        out += [Observation(n, UPDATE, value=r, dims=dims[n]) for n, r in self._updates.items()]
+        return out
+
+    def _settings(self) -> dict[str, Any]:
+        return {
+            "every": self.every,
+            "full_every": self.full_every,
+            "grads": self.grads,
+            "params": self.params,
+            "gather": self.gather,
+            "on_nonfinite": self.on_nonfinite,
+        }
+
+    def _common_meta(self) -> dict[str, str]:
+        import torch
+
+        from modeltap import __version__
+
+        meta = {"modeltap_version": __version__, "torch": torch.__version__}
+        if "transformers" in sys.modules:
+            meta["transformers"] = str(sys.modules["transformers"].__version__)
+        first = next(iter(self.model.parameters()), None)
+        if first is not None:
+            meta.update(dtype=str(first.dtype).removeprefix("torch."), device=str(first.device))
+        return {
+            **meta,
+            "model": type(self.model).__name__,
+            "model_class": type(self.model).__name__,
+            "train_mode": str(self.model.training).lower(),
+            "selection": json.dumps({**self.selection.as_dict(), "inputs": False}),
+            "step": str(self.step_index),
+            "rank": str(self.rank.rank),
+            "world_size": str(self.rank.world_size),
+            "backend": self.rank.backend,
+        }
+
+    def _metadata(
+        self, writer: DumpWriter, recorder: Recorder, hits: list[RuleHit]
+    ) -> dict[str, str]:
+        fired = set(self._grad_keys)
+        grads = [k for k in self._grad_hooked if k in fired]
+        aliased = [k for k, t in self._grad_aliases.items() if t in fired]
+        order = list(recorder.order)
+        order += [GRAD_PREFIX + k for k in self._grad_keys]
+        order += [GRAD_PREFIX + k for k in aliased]
+        order += [GRAD_PREFIX + k for k in self._param_keys]
+        for key in aliased:
+            writer.alias(GRAD_PREFIX + key, GRAD_PREFIX + self._grad_aliases[key])
+        with_grads = bool(self._grad_keys or self._param_keys)
+        record = {**self._settings(), "not_run": [m for m in self._modules if m not in self._ran]}
+        meta = {
+            "kind": "activations+gradients" if with_grads else "activations",
+            **self._common_meta(),
+            "order": json.dumps(order),
+            "skipped": json.dumps(recorder.skipped),
+            "skipped_none": str(recorder.skipped_none),
+            "record": json.dumps(record),
+        }
+        if with_grads:
+            meta["grad"] = json.dumps(self._grad_meta([*grads, *aliased]))
+        if self._placements:
+            meta["placements"] = json.dumps(self._placements)
+        if self._updates:
+            meta["updates"] = json.dumps(self._updates)
+        if hits:
+            meta["rules"] = json.dumps([h.to_json() for h in hits])
+        return meta
+
+    def _grad_meta(self, keys: list[str]) -> dict[str, Any]:
+        vanishing = next((r for r in self.rules if isinstance(r, VanishingGradient)), None)
+        exploding = next((r for r in self.rules if isinstance(r, ExplodingGradient)), None)
+        fired = set(self._grad_keys)
+        return {
+            "target": "loss (the training step's backward)",
+            "loss": "user",
+            "grad_output": "scalar",
+            "keys": [*keys, *self._param_keys],
+            "params": list(self._param_keys),
+            "no_path": {k: "no path" for k in self._grad_hooked if k not in fired},
+            "vanishing": vanishing.threshold if vanishing else VanishingGradient().threshold,
+            "exploding": exploding.threshold if exploding else ExplodingGradient().threshold,
+        }
+
+    # -- the tripwire -----------------------------------------------------------------------
+    def _forward_trip(self, call: Call, path: str, propagated: bool) -> Trip:
+        from modeltap.stats import tensor_stats
+
+        tensor = dict(call.outputs)[path]
+        inputs = {
+            call.key(p): tensor_stats(t, dead_threshold=self.dead_threshold).to_json()
+            for p, t in call.inputs()
+        }
+        trip = Trip(
+            step=self.step_index,
+            rank=self.rank.rank,
+            phase=FORWARD,
+            module=call.name,
+            module_class=type(call.module).__name__,
+            key=call.key(path),
+            stats=tensor_stats(tensor).to_json(),
+            inputs=inputs,
+            params=_nonfinite_params(call.module),
+            propagated=propagated,
+        )
+        trip.file = self._trip_dump(trip, lambda writer, rec: self._dump_forward(rec, call))
+        return trip
+
+    def _backward_trip(self, shape: Shape, slot: int, propagated: bool) -> Trip:
+        from modeltap.stats import tensor_stats
+
+        watch = self._watch
+        assert watch is not None
+        grad = watch.grads.get(slot)
+        stats = (
+            tensor_stats(grad).to_json()
+            if grad is not None
+            else {"sum": float(watch.grad_flags[slot][1])}
+        )
+        inputs = {}
+        for s, total in watch.incoming(shape).items():
+            held = watch.grads.get(s)
+            key = GRAD_PREFIX + watch.slot_keys[s]
+            inputs[key] = tensor_stats(held).to_json() if held is not None else {"sum": total}
+        trip = Trip(
+            step=self.step_index,
+            rank=self.rank.rank,
+            phase=BACKWARD,
+            module=shape.name,
+            module_class=shape.module_class,
+            key=GRAD_PREFIX + watch.slot_keys[slot],
+            stats=stats,
+            inputs=inputs,
+            params=_nonfinite_params(self._by_name[shape.name]),
+            propagated=propagated,
+        )
+        trip.file = self._trip_dump(trip, lambda writer, rec: self._dump_backward(writer, rec))
+        return trip
+
+    def _trip(self, trip: Trip) -> None:
+        self.trips.append(trip)
+        if self._index is not None:
+            self._index.write("tripwire", **trip.to_json())
+        if self.on_nonfinite in ("raise", "dump"):
+            raise NonFiniteError(trip)
+        logger.warning("%s", trip.message())
+
+    def _trip_dump(self, trip: Trip, fill: Callable[[DumpWriter, Recorder], None]) -> str | None:
+        """With "dump": the step's full tensors, once per run and phase, as that step's file."""
+        if not self.on_nonfinite.startswith("dump") or trip.phase in self._dumped:
+            return None
+        self._dumped.add(trip.phase)
+        if self._writer is not None:  # the step's own recording gives way to the full dump
+            self._writer.abort()
+            self._writer = None
+            self._recorder = None
+        path = self.out_dir / step_file_name(self.step_index, self.rank.rank)
+        with DumpWriter(path, dead_threshold=self.dead_threshold) as writer:
+            recorder = Recorder(writer)
+            fill(writer, recorder)
+            order = [*recorder.order, *(k for k in writer.stats if k.startswith(GRAD_PREFIX))]
+            kind = "activations+gradients" if trip.phase == BACKWARD else "activations"
+            writer.finish(
+                {
+                    "kind": kind,
+                    **self._common_meta(),
+                    "order": json.dumps(order),
+                    "skipped": json.dumps(recorder.skipped),
+                    "skipped_none": str(recorder.skipped_none),
+                    "record": json.dumps(self._settings()),
+                    "tripwire": json.dumps(trip.to_json()),
+                }
+            )
+        return path.name
+
+    def _dump_forward(self, recorder: Recorder, culprit: Call | None) -> None:
+        watch = self._watch
+        assert watch is not None
+        for c in watch.calls:
+            recorder.record(c.name, c.output)
+        for c in watch.calls:
+            if culprit is not None and c.name == culprit.name:
+                recorder.record(c.name, {**dict(enumerate(c.args)), **c.kwargs}, is_input=True)
+
+    def _dump_backward(self, writer: DumpWriter, recorder: Recorder) -> None:
+        watch = self._watch
+        assert watch is not None
+        self._dump_forward(recorder, None)
+        for slot in sorted(watch.grads, key=lambda s: watch.grad_flags[s][0]):
+            writer.tensor(GRAD_PREFIX + watch.slot_keys[slot], watch.grads[slot], count_zeros=True)
+
+
+class _StepSink:
+    """The recorded step's sink: statistics to the writer, and a tensor hook for each gradient."""
+
+    def __init__(self, owner: Recording) -> None:
+        self.owner = owner
+
+    def tensor(self, key: str, tensor: torch.Tensor) -> None:
+        owner = self.owner
+        if owner._writer is None:
+            return
+        owner._writer.tensor(key, tensor.detach())
+        if owner.grads and tensor.requires_grad:
+            owner._grad_hooked.append(key)
+            tensor.register_hook(self._grad_hook(key))
+
+    def alias(self, key: str, target: str) -> None:
+        owner = self.owner
+        if owner._writer is None:
+            return
+        owner._writer.alias(key, target)
+        if owner.grads:
+            owner._grad_aliases[key] = target
+
+    def _grad_hook(self, key: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            owner = self.owner
+            with owner._lock:
+                if owner._writer is not None and key not in owner._grad_keys:
+                    owner._writer.tensor(GRAD_PREFIX + key, grad.detach(), count_zeros=True)
+                    owner._grad_keys.append(key)
+
+        return hook
+
+
+def _nonfinite_params(module: nn.Module) -> dict[str, dict[str, Any]]:
+    import torch
+
+    from modeltap.stats import tensor_stats
+
+    out = {}
+    for name, p in module.named_parameters():
+        local = dist.local_view(p.detach())
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            out[name] = tensor_stats(local).to_json()
+    return out
+
+
+def record(
+    model: nn.Module,
+    out_dir: str | os.PathLike[str],
+    *,
+    every: int = 100,
+    grads: bool = True,
+    params: bool = True,
+    stats_only: bool = True,
+    full_every: int | None = None,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    depth: int | None = None,
+    on_nonfinite: str = "raise",
+    rules: Sequence[RuleFn] | None = None,
+    gather: bool = False,
+    dead_threshold: float = 0.0,
+    start_step: int = 0,
+) -> Recording:
+    """Record `model` inside a training loop: `with record(model, "runs/x") as rec: ... rec.step()`.
+
+    Steps are numbered from `start_step`; step N is recorded when N % every == 0, with full
+    tensors when N % full_every == 0 (or always with stats_only=False). `grads`: gradients w.r.t.
+    the selected modules' outputs; `params`: parameter gradients (and update ratios).
+    `on_nonfinite`: "raise" (NonFiniteError), "dump" (write the step's full tensors, then raise),
+    "warn" (log and go on), "dump-warn", or "off". `rules`: callables over statistics
+    (default: `rules.default_rules()`); hits go to the index, the step file and the
+    `modeltap.record` logger, and `step()` returns them. Under torchrun each rank writes its own
+    files; `gather=True` writes sharded (DTensor) tensors whole, on rank 0 only.
+    """
+    return Recording(
+        model,
+        out_dir,
+        every=every,
+        grads=grads,
+        params=params,
+        stats_only=stats_only,
+        full_every=full_every,
+        include=include,
+        exclude=exclude,
+        depth=depth,
+        on_nonfinite=on_nonfinite,
+        rules=rules,
+        gather=gather,
+        dead_threshold=dead_threshold,
+        start_step=start_step,
+    )

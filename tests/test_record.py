@@ -1,0 +1,495 @@
+"""modeltap.record: checked against tensors captured with plain hooks and autograd in the test."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+import modeltap
+from modeltap.cli import app
+from modeltap.dump import load_dump
+from modeltap.errors import InputError
+from modeltap.record import (
+    DeadUnits,
+    NonFiniteError,
+    Saturation,
+    UpdateRatio,
+    VanishingGradient,
+    read_run,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Poison(nn.Linear):
+    """A Linear that writes one NaN into its output while `on`."""
+
+    on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.on:
+            y = y.clone()
+            y[0, 0] = float("nan")
+        return y
+
+
+class _NanGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        out = grad.clone()
+        out[0, 0] = float("nan")
+        return out
+
+
+class PoisonGrad(nn.Module):
+    """Identity forward; while `on`, a NaN in the gradient it passes back to its input."""
+
+    on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NanGrad.apply(x) if self.on else x * 1.0
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.act = nn.ReLU()
+        self.fc2 = Poison(16, 16)
+        self.gate = PoisonGrad()
+        self.tanh = nn.Tanh()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tanh(self.gate(self.fc2(self.act(self.fc1(x))))))
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
+
+
+def run_steps(
+    model: nn.Module, out: Path, steps: int, *, lr: float = 1e-3, before=None, **options
+) -> tuple[modeltap.record.Recording, list]:
+    """Train `steps` steps under record(); `before(step)` runs first each step. Returns hits."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    hits = []
+    with modeltap.record(model, out, **options) as rec:
+        for step in range(steps):
+            if before is not None:
+                before(step)
+            model(batch(step)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            hits += rec.step()
+    return rec, hits
+
+
+def test_recorded_statistics_equal_plain_hooks(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    acts: dict[str, torch.Tensor] = {}
+    grads: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+
+        def hook(m, a, out, name=name or "__root__"):
+            acts[name] = out.detach().clone()
+            out.register_hook(lambda g: grads.__setitem__(name, g.clone()))
+
+        module.register_forward_hook(hook)
+    seen = {}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with modeltap.record(model, tmp_path / "run", every=2) as rec:
+        for step in range(5):
+            acts.clear()
+            grads.clear()
+            model(batch(step)).square().mean().backward()
+            params = {n: p.grad.clone() for n, p in model.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+            seen[step] = (dict(acts), dict(grads), params)
+    files = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert files == [
+        "index.rank0.jsonl",
+        "step000000.rank0.safetensors",
+        "step000002.rank0.safetensors",
+        "step000004.rank0.safetensors",
+    ]
+    for step in (0, 2, 4):
+        dump = load_dump(tmp_path / "run" / f"step{step:06d}.rank0.safetensors")
+        meta = dump.metadata
+        assert (meta["step"], meta["rank"], meta["world_size"], meta["backend"]) == (
+            str(step),
+            "0",
+            "1",
+            "none",
+        )
+        assert dump.stats_only
+        acts, grads, params = seen[step]
+        assert set(acts) == {k for k in dump.keys() if not k.startswith("grad/")}
+        for key, t in acts.items():
+            s = dump.stats_for(key)
+            assert s.norm == pytest.approx(float(t.double().norm()), rel=1e-6)
+            assert s.mean == pytest.approx(float(t.double().mean()), rel=1e-6, abs=1e-9)
+            assert (s.min, s.max) == (float(t.min()), float(t.max()))
+            assert s.dead == int((t <= 0).all(dim=0).sum())
+        for key, g in grads.items():
+            s = dump.stats_for("grad/" + key)
+            assert s.norm == pytest.approx(float(g.double().norm()), rel=1e-6)
+        for name, g in params.items():
+            s = dump.stats_for("grad/" + name)
+            assert s.norm == pytest.approx(float(g.double().norm()), rel=1e-6)
+            assert s.zeros == int((g == 0).sum())
+        updates = json.loads(meta["updates"])
+        assert set(updates) == set(params)
+
+
+def test_steps_not_recorded_touch_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from modeltap.dump import DumpWriter
+
+    calls: list[int] = []
+    step_now = [0]
+    real_tensor = DumpWriter.tensor
+    real_register = torch.Tensor.register_hook
+
+    def counting_tensor(self, key, tensor, **kw):
+        calls.append(step_now[0])
+        return real_tensor(self, key, tensor, **kw)
+
+    def counting_register(self, hook):
+        calls.append(step_now[0])
+        return real_register(self, hook)
+
+    monkeypatch.setattr(DumpWriter, "tensor", counting_tensor)
+    monkeypatch.setattr(torch.Tensor, "register_hook", counting_register)
+    torch.manual_seed(0)
+    run_steps(
+        Tiny(),
+        tmp_path / "run",
+        4,
+        every=3,
+        on_nonfinite="off",
+        before=lambda s: step_now.__setitem__(0, s),
+    )
+    assert set(calls) == {0, 3}
+    assert sorted(p.name for p in (tmp_path / "run").glob("step*")) == [
+        "step000000.rank0.safetensors",
+        "step000003.rank0.safetensors",
+    ]
+
+
+def test_everything_comes_off_also_on_errors(tmp_path: Path) -> None:
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    torch.manual_seed(0)
+    model = Tiny()
+    pre, post = len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)
+    with pytest.raises(KeyError):
+        with modeltap.record(model, tmp_path / "run", every=1):
+            model(batch(0)).sum().backward()
+            raise KeyError("the user's loop failed")
+    for module in model.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks
+    assert (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)) == (pre, post)
+    left = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert left == ["index.rank0.jsonl"]  # the unfinished step left no file, not even a temporary
+
+
+@pytest.mark.parametrize("mode", ["raise", "dump"])
+def test_tripwire_names_the_module_that_made_the_nan(tmp_path: Path, mode: str) -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+
+    def poison(step: int) -> None:
+        model.fc2.on = step == 3
+
+    with pytest.raises(NonFiniteError) as caught:
+        run_steps(model, tmp_path / "run", 6, every=100, on_nonfinite=mode, before=poison)
+    trip = caught.value.trip
+    assert (trip.step, trip.phase, trip.module, trip.key) == (3, "forward", "fc2", "fc2")
+    assert not trip.propagated
+    assert trip.stats["nan"] == 1
+    assert set(trip.inputs) == {"fc2:in.0"}
+    assert trip.inputs["fc2:in.0"]["nan"] == 0
+    assert "module 'fc2' (Poison)" in str(caught.value)
+    index = read_run(tmp_path / "run")
+    assert [t["step"] for t in index.ranks[0].trips] == [3]
+    path = tmp_path / "run" / "step000003.rank0.safetensors"
+    if mode == "raise":
+        assert not path.exists()
+        return
+    dump = load_dump(path)
+    assert not dump.stats_only
+    assert json.loads(dump.metadata["tripwire"])["module"] == "fc2"
+    x = dump["fc2:in.0"]
+    expected = x @ model.fc2.weight.detach().T + model.fc2.bias.detach()
+    expected[0, 0] = float("nan")
+    torch.testing.assert_close(dump["fc2"], expected, equal_nan=True)
+    assert torch.isnan(dump["tanh"][0, 0]) and torch.isfinite(dump["fc1"]).all()
+
+
+@pytest.mark.parametrize("mode", ["raise", "dump"])
+def test_tripwire_in_the_backward(tmp_path: Path, mode: str) -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+
+    def poison(step: int) -> None:
+        model.gate.on = step == 3
+
+    with pytest.raises(NonFiniteError) as caught:
+        run_steps(model, tmp_path / "run", 6, every=100, on_nonfinite=mode, before=poison)
+    trip = caught.value.trip
+    # The NaN appears in the gradient w.r.t. gate's input (fc2's output), made by gate's backward.
+    assert (trip.step, trip.phase, trip.module, trip.key) == (3, "backward", "gate", "grad/fc2")
+    assert set(trip.inputs) == {"grad/gate"}
+    # Raised at the end of the backward: the weights never saw the NaN.
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    if mode == "dump":
+        dump = load_dump(tmp_path / "run" / "step000003.rank0.safetensors")
+        assert torch.isnan(dump["grad/fc2"]).sum() == 1
+        assert torch.isfinite(dump["grad/gate"]).all() and torch.isfinite(dump["grad/head"]).all()
+        assert torch.isnan(dump["grad/fc1"]).any()  # passed on, not produced, by fc2 and act
+
+
+def test_tripwire_warn_goes_on_and_reports_propagation(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with caplog.at_level(logging.WARNING, logger="modeltap.record"):
+        with modeltap.record(model, tmp_path / "run", every=100, on_nonfinite="warn") as rec:
+            x = batch(0)
+            x[1, 2] = float("inf")  # non-finite data: no module is to blame
+            model(x).sum().backward()
+            opt.step()
+            rec.step()
+    forward = [t for t in rec.trips if t.phase == "forward"]
+    assert forward[0].module == "fc1" and forward[0].propagated
+    assert "inputs were already non-finite" in caplog.text
+
+
+def _hits(rules, model: nn.Module, tmp_path: Path, name: str, **options):
+    _, hits = run_steps(model, tmp_path / name, 1, every=1, rules=rules, **options)
+    lines = (tmp_path / name / "index.rank0.jsonl").read_text().splitlines()
+    indexed = [h for line in lines for h in json.loads(line).get("hits", [])]
+    assert [h.to_json() for h in hits] == indexed
+    return {(h.rule, h.key) for h in hits}
+
+
+def test_rules_fire_on_constructed_cases(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    rules = [VanishingGradient(1e-6), DeadUnits(0.5), Saturation(0.9), UpdateRatio(1e-9, 1e-1)]
+    healthy = _hits(rules, Tiny(), tmp_path, "healthy")
+    assert healthy == set()
+
+    torch.manual_seed(0)
+    model = Tiny()
+    with torch.no_grad():
+        model.fc2.weight.mul_(1e-6)  # gradients upstream of fc2 shrink a millionfold
+    hits = _hits(rules, model, tmp_path, "vanishing")
+    assert {k for r, k in hits if r == "vanishing_gradient"} == {
+        "grad/act",
+        "grad/fc1",
+        "grad/fc1.weight",
+        "grad/fc1.bias",
+    }  # not fc2's own gradients, nor anything downstream of it
+
+    torch.manual_seed(0)
+    model = Tiny()
+    with torch.no_grad():
+        model.fc1.bias.fill_(-100.0)  # every ReLU unit dead
+    with caplog.at_level(logging.WARNING, logger="modeltap.record"):
+        hits = _hits(rules, model, tmp_path, "dead")
+    assert ("dead_units", "act") in hits and ("dead_units", "fc1") in hits
+    assert "dead_units: act: 16/16 units dead" in caplog.text
+
+    torch.manual_seed(0)
+    model = Tiny()
+    with torch.no_grad():
+        model.fc2.weight.mul_(1000.0)  # tanh's input is huge: outputs sit at +-1
+    assert ("saturation", "tanh") in _hits(rules, model, tmp_path, "saturated")
+
+    torch.manual_seed(0)
+    hits = _hits(rules, Tiny(), tmp_path, "big-steps", lr=10.0)
+    assert ("update_ratio", "head.weight") in hits
+
+
+def test_show_run_folder_and_one_step(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+
+    def poison(step: int) -> None:
+        model.fc2.on = step == 3
+
+    with pytest.raises(NonFiniteError):
+        run_steps(model, tmp_path / "run", 5, every=1, on_nonfinite="dump", before=poison)
+    runner = CliRunner()
+    result = runner.invoke(app, ["show", str(tmp_path / "run")], env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    assert "3 recorded steps (0..2, every 1)" in result.output
+    assert "tripwire: step 3 forward: module 'fc2' (Poison)" in result.output
+    assert "NaN@3 forward" in result.output
+    assert "head.weight" in result.output
+    result = runner.invoke(app, ["show", str(tmp_path / "run"), "--step", "3"])
+    assert result.exit_code == 0, result.output
+    assert "step 3, rank 0 of 1" in result.output and "fc2" in result.output
+    result = runner.invoke(app, ["show", str(tmp_path / "run"), "--json"])
+    assert [s["step"] for s in json.loads(result.output)["ranks"]["0"]["steps"]] == [0, 1, 2]
+    result = runner.invoke(app, ["show", str(tmp_path / "run"), "--step", "7"])
+    assert result.exit_code == 2
+    assert "step 7 was not recorded on rank 0; recorded: 0, 1, 2, 3" in result.output
+    result = runner.invoke(app, ["show", str(tmp_path / "run"), "--rank", "1"])
+    assert result.exit_code == 2 and "no rank 1" in result.output
+    step_file = str(tmp_path / "run" / "step000000.rank0.safetensors")
+    assert runner.invoke(app, ["show", step_file]).exit_code == 0
+    result = runner.invoke(app, ["show", step_file, "--step", "0"])
+    assert result.exit_code == 2 and "for a run folder" in result.output
+    result = runner.invoke(app, ["show", str(tmp_path)])
+    assert result.exit_code == 2 and "no index.rank*.jsonl" in result.output
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    model = Tiny()
+    with pytest.raises(InputError, match="every"):
+        modeltap.record(model, tmp_path, every=0)
+    with pytest.raises(InputError, match="on_nonfinite"):
+        modeltap.record(model, tmp_path, on_nonfinite="stop")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(InputError, match="is a file"):
+        modeltap.record(model, tmp_path / "file")
+
+
+def test_a_step_left_without_step_is_written_at_the_end(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    with modeltap.record(model, tmp_path / "run", every=2) as rec:
+        model(batch(0)).sum().backward()
+        rec.step()
+        model(batch(1)).sum().backward()
+        rec.step()
+        model(batch(2)).sum().backward()  # step 2, recorded, ends with the block
+    with modeltap.record(model, tmp_path / "idle", every=1) as rec:
+        rec.step()  # a step that never ran the model writes nothing
+    assert sorted(p.name for p in (tmp_path / "run").glob("step*")) == [
+        "step000000.rank0.safetensors",
+        "step000002.rank0.safetensors",
+    ]
+    assert sorted(p.name for p in (tmp_path / "idle").iterdir()) == ["index.rank0.jsonl"]
+
+
+def test_selected_modules_that_never_run_are_reported(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    model.unused = nn.Linear(2, 2)
+    run_steps(model, tmp_path / "run", 1, every=1, include=["fc*", "unused"])
+    dump = load_dump(tmp_path / "run" / "step000000.rank0.safetensors")
+    assert json.loads(dump.metadata["record"])["not_run"] == ["unused"]
+    assert [k for k in dump.keys() if not k.startswith("grad/")] == ["fc1", "fc2"]
+
+
+# -- torchrun, 2 ranks, gloo on CPU ---------------------------------------------------------
+
+
+def _reference_grads(steps: int, world: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Plain single-process training on every rank's batches: the gradient DDP averages."""
+    sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
+    try:
+        import record_dist as worker
+    finally:
+        sys.path.pop(0)
+    model = worker.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=worker.LR)
+    out = {}
+    for step in range(steps):
+        loss = sum(model(worker.batch(step, r)).square().mean() for r in range(world)) / world
+        loss.backward()
+        out[step] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+@pytest.fixture(scope="module")
+def dist_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists() or not torch.distributed.is_available():
+        pytest.skip("needs torchrun and torch.distributed")
+    out = tmp_path_factory.mktemp("dist")
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src"),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+    command = [str(torchrun), "--standalone", "--nproc-per-node", "2"]
+    command += [str(ROOT / "tests" / "fixtures" / "record_dist.py"), str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+PARAMS = ("0.weight", "0.bias", "2.weight", "2.bias")
+
+
+def test_ddp_ranks_write_their_own_files_with_equal_param_grads(dist_runs: Path) -> None:
+    run = dist_runs / "ddp"
+    names = sorted(p.name for p in run.glob("step*"))
+    assert names == [f"step00000{s}.rank{r}.safetensors" for s in (0, 2) for r in (0, 1)]
+    reference = _reference_grads(3, 2)
+    for step in (0, 2):
+        a = load_dump(run / f"step{step:06d}.rank0.safetensors")
+        b = load_dump(run / f"step{step:06d}.rank1.safetensors")
+        assert (a.metadata["rank"], b.metadata["rank"]) == ("0", "1")
+        assert a.metadata["world_size"] == "2" and a.metadata["backend"] == "gloo"
+        for name in PARAMS:
+            assert torch.equal(a["grad/" + name], b["grad/" + name])
+            torch.testing.assert_close(a["grad/" + name], reference[step][name])
+        assert not torch.equal(a["0"], b["0"])  # each rank saw its own batch
+    files = [str(run / f"step000002.rank{r}.safetensors") for r in (0, 1)]
+    runner = CliRunner()
+    assert runner.invoke(app, ["diff", *files, "--include", "grad/*.*"]).exit_code == 0
+    assert runner.invoke(app, ["diff", *files, "--include", "0"]).exit_code == 1
+    index = read_run(run)
+    assert sorted(index.ranks) == [0, 1]
+    assert [s["step"] for s in index.ranks[1].steps] == [0, 2]
+
+
+def test_fsdp2_records_shards_and_gathers_full_grads(dist_runs: Path) -> None:
+    reference = _reference_grads(3, 2)
+    ddp = load_dump(dist_runs / "ddp" / "step000002.rank0.safetensors")
+    shards = [load_dump(dist_runs / "fsdp" / f"step000002.rank{r}.safetensors") for r in (0, 1)]
+    for name in PARAMS:
+        key = "grad/" + name
+        full = reference[2][name]
+        placed = [json.loads(d.metadata["placements"])[key] for d in shards]
+        rows = [(full.shape[0] + 1) // 2, full.shape[0] - (full.shape[0] + 1) // 2]
+        for place, dump, n in zip(placed, shards, rows, strict=True):
+            assert place["placements"] == ["Shard(dim=0)"]
+            assert place["global_shape"] == list(full.shape) and place["mesh"] == [2]
+            assert list(dump[key].shape) == place["local_shape"] == [n, *full.shape[1:]]
+        torch.testing.assert_close(torch.cat([d[key] for d in shards]), full)
+    gathered = sorted(p.name for p in (dist_runs / "fsdp-gather").glob("step*"))
+    assert gathered == ["step000000.rank0.safetensors", "step000002.rank0.safetensors"]
+    full = load_dump(dist_runs / "fsdp-gather" / "step000002.rank0.safetensors")
+    assert "placements" not in full.metadata
+    for name in PARAMS:
+        torch.testing.assert_close(full["grad/" + name], ddp["grad/" + name])
+    assert json.loads(full.metadata["updates"]) == pytest.approx(
+        json.loads(ddp.metadata["updates"]), rel=1e-6
+    )
