@@ -5,7 +5,8 @@ runs (in-process, 80 columns, in one scratch folder shared by all blocks, with t
 `models/` linked in) and the lines after it, up to the next `$` line, are its output (stdout, then
 stderr). `$ echo $?` prints the previous command's exit code. A line `...` in the README elides
 output: there, the README's lines are kept and only their numbers are refreshed, each from the
-generated line with the same words.
+generated line with the same words. A block that also runs something else (`$ ls`, a pipe, a
+command that needs a training run first) is left as written.
 
     python scripts/readme_examples.py           # rewrite README.md
     python scripts/readme_examples.py --check   # exit 1 if an example's output is out of date
@@ -112,7 +113,9 @@ def regenerate(text: str, scratch: Path) -> tuple[str, list[str]]:
         end = lines.index(FENCE, i)
         block = lines[i:end]
         i = end + 1
-        if line.strip() != FENCE or not any(b.startswith("$ modeltap ") for b in block):
+        commands = [b for b in block if b.startswith("$ ")]
+        runnable = all(c.startswith("$ modeltap ") or c == "$ echo $?" for c in commands)
+        if line.strip() != FENCE or not commands or not runnable or "|" in "".join(commands):
             out.extend(block)
             out.append(FENCE)
             continue
