@@ -72,7 +72,12 @@ def diff_command(
         strict=strict,
     )
     # Precedence for tolerances: settings files and env < preset < --atol/--rtol.
-    values = {"atol": s.atol, "rtol": s.rtol}
+    values = {
+        "atol": s.atol,
+        "rtol": s.rtol,
+        "scaled_atol": s.scaled_atol,
+        "min_cosine": s.min_cosine,
+    }
     if s.preset:
         values.update(tolerance_preset(s.preset))
     values.update({k: v for k, v in {"atol": atol, "rtol": rtol}.items() if v is not None})

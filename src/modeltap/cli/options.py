@@ -92,3 +92,21 @@ VanishingOpt = Annotated[
 ExplodingOpt = Annotated[
     float | None, typer.Option(help="Flag gradients with a norm above this [default: 1e3].")
 ]
+
+# Tolerances and key renames, shared by diff and compare.
+PresetOpt = Annotated[
+    str | None,
+    typer.Option(help="Tolerances from configs/tolerances.toml: exact, fp32, tf32, bf16..."),
+]
+AtolOpt = Annotated[float | None, typer.Option(help="Absolute tolerance [default: 1e-8].")]
+RtolOpt = Annotated[float | None, typer.Option(help="Relative tolerance [default: 1e-5].")]
+MapOpt = Annotated[
+    list[str] | None,
+    typer.Option("--map", help="Rename A's keys to B's: OLD=NEW globs ('bert.*=*')."),
+]
+EqualNanOpt = Annotated[
+    bool | None, typer.Option("--equal-nan/--nan-differs", help="Count NaN == NaN as equal.")
+]
+JunitOpt = Annotated[
+    Path | None, typer.Option(help="Also write JUnit XML, one test case per tensor.")
+]
