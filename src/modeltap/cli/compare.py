@@ -126,6 +126,11 @@ def compare_command(
     if s.texts and s.input_file:
         raise InputError("give TEXT or --input-file, not both")
     if not s.texts and not s.input_file:
+        if s.against is None:
+            raise InputError(
+                f"nothing to run on, or nothing to compare with: '{s.candidate}' was taken for "
+                "the CANDIDATE model; give TEXT after it, or --against bf16, ... for a variant"
+            )
         raise InputError("nothing to run on; give TEXT or --input-file")
     preset_name = s.preset or DEFAULT_PRESET[variant.kind]
     from modeltap.config import tolerance_values
@@ -149,6 +154,7 @@ def compare_command(
             p.key: f"module {m.name}: {m.verdict.replace('_', ' ')}"
             for m in report.modules
             for p in m.cumulative
+            if report.module_of(p) == m.name
         }
         write_atomically(junit, junit_xml(report.cumulative, name="modeltap compare", notes=notes))
     if json_out:

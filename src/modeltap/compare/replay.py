@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -102,28 +102,26 @@ def compare_models(
         cand_writer.finish(_meta(candidate, inputs, rec, metadata[1], options))
     try:
         cand_dump = load_dump(cand_path)
-        reader = _TensorReader(cand_path)
-        ref_sinks: list[Any] = []
-        ref_writer = None
-        if keep:
-            ref_writer = DumpWriter(
-                work / REFERENCE_FILE,
-                stats_only=stats_only,
-                row_mask=row_mask,
-                reserve=4096 + 1536 * len(modules),
-            )
-            ref_sinks.append(ref_writer)
-        cumulative = _Cumulative(cand_dump, reader, rules, options)
-        ref_sinks.append(cumulative)
-        replayer = _Replayer(cand_names, results, options)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(options.seed)
-            recorder = Recorder(_Tee(ref_sinks))
-            with _reference_hooks(reference, results, recorder, replayer, options.train_mode):
-                with torch.no_grad():
-                    run_model(reference, inputs.args, inputs.kwargs)
-        if ref_writer is not None:
-            with ref_writer:
+        cumulative = _Cumulative(cand_dump, _TensorReader(cand_path), rules, options)
+        replayer = _Replayer(reference, cand_names, results, options)
+        with ExitStack() as stack:
+            sinks: list[Any] = [cumulative]
+            ref_writer = None
+            if keep:
+                ref_writer = DumpWriter(
+                    work / REFERENCE_FILE,
+                    stats_only=stats_only,
+                    row_mask=row_mask,
+                    reserve=4096 + 1536 * len(modules),
+                )
+                sinks.insert(0, stack.enter_context(ref_writer))
+            recorder = Recorder(_Tee(sinks))
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(options.seed)
+                with _reference_hooks(reference, results, recorder, replayer, options.train_mode):
+                    with torch.no_grad():
+                        run_model(reference, inputs.args, inputs.kwargs)
+            if ref_writer is not None:
                 ref_writer.finish(_meta(reference, inputs, recorder, metadata[0], options))
         if stats_only and keep:
             _stats_only_copy(cand_dump, work / CANDIDATE_FILE)
@@ -301,7 +299,11 @@ class _Replayer:
     """Replays a reference module's call on the reference itself and on the candidate."""
 
     def __init__(
-        self, cand_modules: dict[str, nn.Module], results: dict[str, ModuleResult], options: Options
+        self,
+        reference: nn.Module,
+        cand_modules: dict[str, nn.Module],
+        results: dict[str, ModuleResult],
+        options: Options,
     ) -> None:
         self.cand_modules = cand_modules
         self.results = results
@@ -311,6 +313,10 @@ class _Replayer:
         # A module without weights (an activation, a dropout) computes in the candidate's dtype.
         root = cand_modules[ROOT]
         self.default = (compute_dtype(root), model_device(root))
+        # Attention masks are built by the model in its attention implementation's format
+        # (sdpa: boolean, eager: additive). A candidate with another implementation gets the
+        # reference's masks in the additive form, which every implementation reads.
+        self.additive_masks = _attn_impl(reference) != _attn_impl(root)
 
     def __call__(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         import torch
@@ -338,7 +344,10 @@ class _Replayer:
                     result.note = "replaying the reference did not reproduce its output"
                 del again
                 try:
-                    replayed = cand(*_cast(args, dtype, device), **_cast(kwargs, dtype, device))
+                    masks = self.additive_masks
+                    replayed = cand(
+                        *_cast(args, dtype, device, masks), **_cast(kwargs, dtype, device, masks)
+                    )
                 except (RuntimeError, TypeError, ValueError, IndexError) as exc:
                     result.status = "replay_error"
                     result.note = first_line(exc)
@@ -389,20 +398,29 @@ def _module_dtype_device(module: nn.Module) -> tuple[Any, Any] | None:
     return None
 
 
-def _cast(value: Any, dtype: Any, device: Any) -> Any:
+def _attn_impl(model: nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def _cast(value: Any, dtype: Any, device: Any, additive_masks: bool = False) -> Any:
     """Tensors in args/kwargs, floating ones cast to `dtype`, all moved to `device`; always new
-    tensors, so a module that changes its input in place can't touch the reference's."""
+    tensors, so a module that changes its input in place can't touch the reference's.
+    `additive_masks`: 4-d boolean masks become additive ones (0 to keep, dtype's min to drop)."""
     import torch
 
     if isinstance(value, torch.Tensor):
+        if additive_masks and value.dtype == torch.bool and value.dim() == 4:
+            work = dtype or torch.float32
+            mask = torch.zeros(value.shape, dtype=work, device=device)
+            return mask.masked_fill_(~value.to(device), torch.finfo(work).min)
         floating = dtype if value.is_floating_point() and dtype is not None else None
         return value.detach().to(device=device, dtype=floating, copy=True)
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_cast(v, dtype, device) for v in value)
+        return tuple(_cast(v, dtype, device, additive_masks) for v in value)
     if isinstance(value, list):
-        return [_cast(v, dtype, device) for v in value]
+        return [_cast(v, dtype, device, additive_masks) for v in value]
     if isinstance(value, dict) and type(value) is dict:
-        return {k: _cast(v, dtype, device) for k, v in value.items()}
+        return {k: _cast(v, dtype, device, additive_masks) for k, v in value.items()}
     return value
 
 
