@@ -481,11 +481,15 @@ def compare_heading(report: Any) -> Text:
     text = Text()
     verdict = ("PASS", "bold green") if report.passed else ("FAIL", "bold red")
     text.append(verdict[0], style=verdict[1])
-    text.append(f"  {ref.get('model', '?')} ({ref.get('dtype', '?')}, {ref.get('device', '?')})")
-    text.append(" vs ")
-    label = cand.get("variant", "")
+    text.append(f"  reference {ref.get('model', '?')} ({ref.get('dtype', '?')}, ")
+    text.append(f"{ref.get('device', '?')})\n      candidate ")
     name = cand.get("model", "?")
-    text.append(f"{name}{'' if label == 'same' else ' ' + label}", style="bold")
+    label = cand.get("variant", "")
+    if name != ref.get("model"):
+        text.append(name, style="bold")
+        text.append(" " if label != "same" else "")
+    if label != "same":
+        text.append(label, style="bold")
     text.append(f" ({cand.get('dtype', '?')}, {cand.get('device', '?')})\n")
     text.append(f"tolerance {report.preset or ''}: {report.cumulative.tolerance.describe()}\n")
     replayed = [m for m in report.modules if m.status == "replayed"]
@@ -517,23 +521,32 @@ def compare_heading(report: Any) -> Text:
     inherited = report.inherited
     if inherited:
         text.append(f"{len(inherited)} modules only inherited the error", style="yellow")
-        text.append(" (cumulative out of tolerance, local within)\n")
+        text.append(" (cumulative out, local within; --all)\n")
     skipped: dict[str, int] = {}
     for module in report.not_compared:
         skipped[module.status] = skipped.get(module.status, 0) + 1
     if skipped:
         parts = ", ".join(f"{n} {status.replace('_', ' ')}" for status, n in skipped.items())
         text.append(f"not compared: {parts}\n", style="dim")
+    for what in ("local", "cumulative"):
+        errors = [
+            (m.local_error if what == "local" else m.cumulative_error, m.name)
+            for m in report.modules
+        ]
+        known = [(e, name) for e, name in errors if e is not None]
+        if known:
+            worst = max(known)
+            text.append(f"largest {what} error {fmt(worst[0])} in {worst[1]}\n", style="dim")
     text.append("errors are max |candidate - reference| / max |reference|", style="dim")
     return text
 
 
 def compare_table(report: Any, *, show_all: bool = False, width: int = 80) -> Table:
     """The module tree with local and cumulative errors and each module's verdict; without
-    `show_all`, only the modules that are not ok (with their tree guides)."""
-    rows = [
-        m for m in report.modules if show_all or m.verdict in _VERDICT_STYLE or m.cumulative_out
-    ]
+    `show_all`, only origins, their parents and modules whose replay failed (with their tree
+    guides): the heading counts the modules that only inherited the error."""
+    shown = {k for k in _VERDICT_STYLE if k != "inherited"}
+    rows = [m for m in report.modules if show_all or m.verdict in shown]
     by_name = {m.name: m for m in rows}
     table = _plain_table()
     numbers = {"local": 8, "cumul.": 8, "verdict": 14}
