@@ -514,6 +514,9 @@ def compare_heading(report: Any) -> Text:
         if len(origins) > DIFF_ROWS:
             text.append(f"  ... {len(origins) - DIFF_ROWS} more (--json lists all)\n")
     first = report.first_divergence
+    if not origins and not report.passed:
+        text.append("no origin: every module's own error is within tolerance; what differs is\n")
+        text.append("rounding accumulated from module to module\n")
     if first is not None:
         text.append("first divergence: ", style="bold")
         text.append(first.other, style="bold red")
