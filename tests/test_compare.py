@@ -315,3 +315,23 @@ def test_scale_relative_tolerance():
     assert compare("a", "b", flipped, b, loose).ok
     low = compare("a", "b", flipped, b, Tolerance(atol=1e3, rtol=0, min_cosine=0.99))
     assert low.status == "differs" and low.cosine == pytest.approx(cosine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["export", "compile"])
+def test_backends_replay_at_the_depth_asked(bert6, bert6_fault, backend):
+    result = invoke(bert6, bert6_fault, *TEXTS, "--against", backend, "--depth", "3", "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert report["replay"]["depth"] == 3 and backend in report["replay"]["note"]
+    assert report["candidate"]["variant"] == backend
+    assert [o["module"] for o in report["origins"]] == ["encoder.layer.3"]
+    modules = {m["module"]: m for m in report["modules"]}
+    assert modules["encoder.layer.4"]["verdict"] == "inherited"
+    assert modules["encoder.layer.2"]["verdict"] == "ok"
+
+
+def test_backends_need_a_depth(bert_dir):
+    result = invoke(bert_dir, "hello", "--against", "export")
+    assert result.exit_code == 2
+    assert "--against export replays at one depth: give --depth N" in result.stderr

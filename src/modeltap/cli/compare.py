@@ -53,7 +53,9 @@ def compare_command(
     against: Annotated[
         str | None,
         typer.Option(
-            "--against", "-a", help="The variant: bf16, fp16, attn:IMPL (eager, sdpa...), cuda."
+            "--against",
+            "-a",
+            help="The variant: bf16, fp16, attn:IMPL (eager, sdpa...), cuda, compile, export.",
         ),
     ] = None,
     input_file: InputFileOpt = None,
@@ -132,7 +134,7 @@ def compare_command(
                 "the CANDIDATE model; give TEXT after it, or --against bf16, ... for a variant"
             )
         raise InputError("nothing to run on; give TEXT or --input-file")
-    preset_name = s.preset or DEFAULT_PRESET[variant.kind]
+    preset_name = s.preset or _default_preset(DEFAULT_PRESET[variant.kind])
     from modeltap.config import tolerance_values
     from modeltap.diff import Tolerance
     from modeltap.dump import check_writable
@@ -224,10 +226,18 @@ def _run(s: Settings, variant: Any, tolerance: Any, overrides: Any, work: Path |
         candidate = make_candidate(base, variant, shared=shared)
     inputs = _no_cache(loaded.model, inputs, s.use_cache)
     modules = select_modules(loaded.model, Selection(s.depth, tuple(s.include), tuple(s.exclude)))
+    note, rename = "", list(s.map)
+    if variant.backend:
+        from modeltap.compare.backends import COMPILED_RENAME, transform
+
+        with err.status(f"{variant.backend} of the modules at --depth {s.depth}"):
+            note = transform(variant.backend, candidate, loaded.model, inputs, s.depth)
+        rename += COMPILED_RENAME if variant.backend == "compile" else ()
     options = Options(
         tolerance=tolerance,
         overrides=overrides,
-        rename=s.map,
+        rename=rename,
+        replay_depth=s.depth if variant.backend else None,
         equal_nan=s.equal_nan,
         train_mode=s.train_mode,
         seed=s.seed,
@@ -252,9 +262,21 @@ def _run(s: Settings, variant: Any, tolerance: Any, overrides: Any, work: Path |
                 stats_only=s.stats_only,
                 metadata=(ref_meta, cand_meta),
             )
+    report.replay_note = note
     report.reference = {**ref_meta, "model_class": loaded.model_class}
     report.candidate = {**cand_meta, "model_class": type(candidate).__name__}
     return report
+
+
+def _default_preset(name: str) -> str:
+    """`name`, or fp32 when configs/tolerances.toml has no such preset."""
+    from modeltap.config import tolerance_preset
+
+    try:
+        tolerance_preset(name)
+    except InputError:
+        return "fp32"
+    return name
 
 
 def _no_cache(model: Any, inputs: Any, use_cache: bool) -> Any:

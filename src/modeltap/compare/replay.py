@@ -104,6 +104,7 @@ def compare_models(
         cand_dump = load_dump(cand_path)
         cumulative = _Cumulative(cand_dump, _TensorReader(cand_path), rules, options)
         replayer = _Replayer(reference, cand_names, results, options)
+        replayer.buffers = cumulative.buffers  # one set of work buffers: they are the largest
         with ExitStack() as stack:
             sinks: list[Any] = [cumulative]
             ref_writer = None

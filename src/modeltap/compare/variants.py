@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DEVICES = ("cuda",)
-KEYWORDS = (*DTYPES, *DEVICES, "attn:IMPL")
+BACKENDS = ("compile", "export")
+KEYWORDS = (*DTYPES, *DEVICES, "attn:IMPL", *BACKENDS)
 # The tolerance preset used when none is asked for, by kind of variant.
 DEFAULT_PRESET = {
     "bfloat16": "bf16",
@@ -31,6 +32,8 @@ DEFAULT_PRESET = {
     "attn": "fp32",
     "cuda": "cross-device",
     "checkpoint": "fp32",
+    "compile": "compile",  # fp32 where configs/tolerances.toml has no [compile]
+    "export": "fp32",
 }
 
 
@@ -41,9 +44,12 @@ class Variant:
     dtype: str | None = None
     device: str | None = None
     attn: str | None = None
+    backend: str | None = None  # compile or export: see compare.backends
 
     @property
     def label(self) -> str:
+        if self.backend:
+            return self.backend
         if self.attn:
             return f"attn:{self.attn}"
         if self.device:
@@ -52,11 +58,14 @@ class Variant:
 
     @property
     def kind(self) -> str:
+        if self.backend:
+            return self.backend
         return "attn" if self.attn else (self.device or self.dtype or "checkpoint")
 
 
 def parse_against(text: str | None) -> Variant:
-    """`bf16`, `fp16`, `fp32`, `attn:IMPL` or `cuda`; None for a plain second checkpoint."""
+    """`bf16`, `fp16`, `fp32`, `attn:IMPL`, `cuda`, `compile` or `export`; None for a plain
+    second checkpoint."""
     if text is None:
         return Variant()
     if text in DTYPES:
@@ -65,11 +74,8 @@ def parse_against(text: str | None) -> Variant:
         return Variant(device=text)
     if text.startswith("attn:") and text[5:]:
         return Variant(attn=text[5:])
-    if text in ("compile", "export"):
-        raise InputError(
-            f"--against {text} is not available in this modeltap; compare against a dtype, "
-            "attn:IMPL, cuda or a second checkpoint"
-        )
+    if text in BACKENDS:
+        return Variant(backend=text)
     guess = suggest(text, KEYWORDS)
     hint = f"did you mean '{guess}'?" if guess else "use one of " + ", ".join(KEYWORDS)
     raise InputError(f"--against '{text}' is not a variant; {hint}")
