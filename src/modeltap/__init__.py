@@ -29,6 +29,7 @@ _EXPORTS = {
     "tensor_stats": "modeltap.stats",
     "TensorStats": "modeltap.stats",
     "ModeltapError": "modeltap.errors",
+    "compare_models": "modeltap.compare",
 }
 
 __all__ = [

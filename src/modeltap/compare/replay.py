@@ -132,7 +132,7 @@ def compare_models(
     report = cumulative.report(work / CANDIDATE_FILE, work / REFERENCE_FILE)
     for key, pair in cumulative.by_key.items():  # aliases too: a module's own keys
         module = results.get(_module(key))
-        if module is not None and pair not in module.cumulative:
+        if module is not None and all(p is not pair for p in module.cumulative):
             module.cumulative.append(pair)
     for result in results.values():
         if result.status == REPLAYED and result.calls == 0:
