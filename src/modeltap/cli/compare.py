@@ -69,7 +69,7 @@ def compare_command(
     equal_nan: EqualNanOpt = None,
     out_dir: Annotated[
         Path | None,
-        typer.Option(help="Keep both dumps (candidate/reference.safetensors) and report.json."),
+        typer.Option(help="Keep both dumps (candidate and reference) and report.json here."),
     ] = None,
     stats_only: StatsOnlyOpt = None,
     json_out: JsonOpt = False,

@@ -98,8 +98,8 @@ PresetOpt = Annotated[
     str | None,
     typer.Option(help="Tolerances from configs/tolerances.toml: exact, fp32, tf32, bf16..."),
 ]
-AtolOpt = Annotated[float | None, typer.Option(help="Absolute tolerance [default: 1e-8].")]
-RtolOpt = Annotated[float | None, typer.Option(help="Relative tolerance [default: 1e-5].")]
+AtolOpt = Annotated[float | None, typer.Option(help="Absolute tolerance; wins over --preset.")]
+RtolOpt = Annotated[float | None, typer.Option(help="Relative tolerance; wins over --preset.")]
 MapOpt = Annotated[
     list[str] | None,
     typer.Option("--map", help="Rename A's keys to B's: OLD=NEW globs ('bert.*=*')."),
