@@ -7,7 +7,7 @@ error is out of tolerance and its local error is within: it only passes on what 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from modeltap.capture import split_key
@@ -164,7 +164,7 @@ class CompareReport:
             "reference": self.reference,
             "candidate": self.candidate,
             "preset": self.preset,
-            "tolerance": self.cumulative.to_json()["tolerance"],
+            "tolerance": asdict(self.cumulative.tolerance),
             "replay": {"depth": self.replay_depth, "note": self.replay_note},
             "origins": [
                 {
