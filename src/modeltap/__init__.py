@@ -31,6 +31,7 @@ _EXPORTS = {
     "tensor_stats": "modeltap.stats",
     "TensorStats": "modeltap.stats",
     "ModeltapError": "modeltap.errors",
+    "compare_models": "modeltap.compare",
 }
 
 __all__ = [

@@ -24,7 +24,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-COMMANDS = ("dump", "grads", "diff", "show", "ls")
+COMMANDS = ("dump", "grads", "diff", "show", "ls", "compare")
 PROJECT_FILE = "modeltap.toml"
 
 
@@ -69,6 +69,13 @@ class Settings:
     probes: str = "rademacher"
     vanishing: float = 1e-7
     exploding: float = 1e3
+    # compare (scaled_atol and min_cosine are tolerances of diff too)
+    against: str | None = None
+    candidate: str | None = None
+    out_dir: str | None = None
+    use_cache: bool = False
+    scaled_atol: float = 0.0
+    min_cosine: float | None = None
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
@@ -98,6 +105,9 @@ _TYPES: dict[str, type] = {
     "jacobian_norm": int,
     "vanishing": float,
     "exploding": float,
+    "use_cache": bool,
+    "scaled_atol": float,
+    "min_cosine": float,
 }
 
 
@@ -221,6 +231,7 @@ def load_settings(
 
 
 TOLERANCE_FILE = "tolerances.toml"
+TOLERANCE_KEYS = ("atol", "rtol", "scaled_atol", "min_cosine")
 
 
 def config_dirs(cwd: Path | None = None) -> list[Path]:
@@ -246,8 +257,28 @@ def tolerance_preset(name: str, cwd: Path | None = None) -> dict[str, float]:
                 )
                 raise InputError(f"no tolerance preset '{name}' in {path}; {hint}")
             values = _check(presets[name], f"{path} [{name}]")
-            if not set(values) <= {"atol", "rtol"}:
-                raise InputError(f"{path} [{name}]: a preset holds only atol and rtol")
+            if not set(values) <= set(TOLERANCE_KEYS):
+                raise InputError(
+                    f"{path} [{name}]: a preset holds only " + ", ".join(TOLERANCE_KEYS)
+                )
             return values
     where = ", ".join(str(d) for d in config_dirs(cwd))
     raise InputError(f"no {TOLERANCE_FILE} found (looked in {where}); set MODELTAP_CONFIGS")
+
+
+def tolerance_values(
+    s: Settings, *, atol: float | None = None, rtol: float | None = None, preset: str | None = None
+) -> dict[str, Any]:
+    """Tolerances by precedence: settings files and env < preset < --atol/--rtol."""
+    values: dict[str, Any] = {
+        "atol": s.atol,
+        "rtol": s.rtol,
+        "scaled_atol": s.scaled_atol,
+        "min_cosine": s.min_cosine,
+    }
+    if preset:
+        values.update(tolerance_preset(preset))
+    values.update({k: v for k, v in {"atol": atol, "rtol": rtol}.items() if v is not None})
+    if values["atol"] < 0 or values["rtol"] < 0 or values["scaled_atol"] < 0:
+        raise InputError("--atol, --rtol and scaled_atol must be 0 or more")
+    return values

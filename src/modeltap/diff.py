@@ -45,10 +45,27 @@ _META_LEVELS = {
 
 @dataclass(frozen=True)
 class Tolerance:
-    """allclose semantics, as torch: |a - b| <= atol + rtol * |b|."""
+    """allclose semantics, as torch: |a - b| <= atol + rtol * |b|, widened by a scale-relative term.
+
+    `scaled_atol` adds `scaled_atol * max|b|` to atol: low-precision arithmetic errs in proportion
+    to the magnitudes a tensor holds, so an element near zero next to large ones carries the large
+    ones' rounding error, which no per-element rtol accepts. `min_cosine`, when set, also fails a
+    pair whose cosine similarity falls below it (a whole tensor drifting within the elementwise
+    bounds).
+    """
 
     atol: float = 1e-8
     rtol: float = 1e-5
+    scaled_atol: float = 0.0
+    min_cosine: float | None = None
+
+    def describe(self) -> str:
+        text = f"atol={self.atol:g}, rtol={self.rtol:g}"
+        if self.scaled_atol:
+            text += f", scaled_atol={self.scaled_atol:g}"
+        if self.min_cosine is not None:
+            text += f", min_cosine={self.min_cosine:g}"
+        return text
 
 
 @dataclass
@@ -74,6 +91,8 @@ class Pair:
     numel: int = 0
     nan_mismatch: int = 0
     aliases: list[str] = field(default_factory=list)
+    # max |a - b| / max |b|: the error on the tensor's own scale, comparable across modules
+    max_scaled: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -293,6 +312,7 @@ def compare(
     from modeltap.stats import dtype_name
 
     pair = Pair(key, other, "ok", list(a.shape), dtype_name(a.dtype), atol=tol.atol, rtol=tol.rtol)
+    atol = tol.atol
     pair.numel = a.numel()
     if a.shape != b.shape:
         pair.status, pair.other_shape = "shape", list(b.shape)
@@ -323,11 +343,14 @@ def compare(
     torch.abs(y, out=scale)
     total = float(diff.sum())
     if math.isfinite(total):
+        absmax = float(scale.max())
+        atol += tol.scaled_atol * absmax
         limit = buf.get(y, "limit", real)
-        torch.mul(scale, tol.rtol, out=limit).add_(tol.atol)
+        torch.mul(scale, tol.rtol, out=limit).add_(atol)
         out = buf.get(x, "out", torch.bool)
         pair.out_count = int(torch.count_nonzero(torch.gt(diff, limit, out=out)))
         pair.max_abs = float(diff.max())
+        pair.max_scaled = pair.max_abs / absmax if absmax else (0.0 if not pair.max_abs else None)
         pair.mean_abs = total / diff.numel()
         squared = float(torch.linalg.vecdot(diff.reshape(-1), diff.reshape(-1)))
         pair.cosine = _cosine(x, y, squared, norms)
@@ -340,7 +363,10 @@ def compare(
             pair.mean_rel = float(rel.sum()) / (diff.numel() - zeros)
     else:
         # NaN or Inf somewhere: torch.isclose's semantics, metrics over positions finite on both.
-        close = torch.isclose(x, y, rtol=tol.rtol, atol=tol.atol, equal_nan=equal_nan)
+        if tol.scaled_atol:
+            finite_y = y[torch.isfinite(y)]
+            atol += tol.scaled_atol * (float(finite_y.abs().max()) if finite_y.numel() else 0.0)
+        close = torch.isclose(x, y, rtol=tol.rtol, atol=atol, equal_nan=equal_nan)
         pair.out_count = int(torch.count_nonzero(~close))
         nan_x, nan_y = torch.isnan(x), torch.isnan(y)
         mismatch = nan_x ^ nan_y
@@ -356,8 +382,12 @@ def compare(
             if bool(nonzero.any()):
                 rel = d[nonzero] / sc[nonzero]
                 pair.max_rel, pair.mean_rel = float(rel.max()), float(rel.mean())
+    pair.atol = atol  # the absolute tolerance in effect, scale-relative term included
     pair.out_fraction = pair.out_count / a.numel()
-    if pair.out_count:
+    low_cosine = (
+        tol.min_cosine is not None and pair.cosine is not None and pair.cosine < tol.min_cosine
+    )
+    if pair.out_count or low_cosine:
         pair.status = "differs"
     return pair
 
@@ -383,11 +413,17 @@ def _norm(dump: Dump, key: str) -> float | None:
     return stats.norm if stats is not None and stats.nan == 0 and stats.inf == 0 else None
 
 
-def junit_xml(report: DiffReport) -> str:
-    """JUnit XML: one test case per compared tensor (and per missing key), metrics in failures."""
+def junit_xml(
+    report: DiffReport, *, name: str = "modeltap diff", notes: dict[str, str] | None = None
+) -> str:
+    """JUnit XML: one test case per compared tensor (and per missing key), metrics in failures.
+
+    `notes` (by key) are appended to a failure's message, e.g. compare's attribution.
+    """
     from xml.etree import ElementTree as ET
 
-    suite = ET.Element("testsuite", name="modeltap diff")
+    notes = notes or {}
+    suite = ET.Element("testsuite", name=name)
     failures = skipped = 0
     for pair in report.pairs:
         case = ET.SubElement(
@@ -395,9 +431,8 @@ def junit_xml(report: DiffReport) -> str:
         )
         if not pair.ok:
             failures += 1
-            failure = ET.SubElement(
-                case, "failure", message=failure_message(pair), type=pair.status
-            )
+            message = failure_message(pair) + (f"; {notes[pair.key]}" if pair.key in notes else "")
+            failure = ET.SubElement(case, "failure", message=message, type=pair.status)
             failure.text = json.dumps(pair.to_json(), indent=1)
     for side, keys in (("only in A", report.only_a), ("only in B", report.only_b)):
         for key in keys:

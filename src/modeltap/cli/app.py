@@ -23,6 +23,7 @@ UsageError = typer.BadParameter.__mro__[1]
 # Arguments first, then the panels a user looks for in the order they think of them.
 PANEL_ORDER = [
     "Arguments",
+    "Variant",
     "Inputs",
     "Selection",
     "Loading",

@@ -13,9 +13,15 @@ from modeltap.cli.options import (
     KEYS,
     OUTPUT,
     TOL,
+    AtolOpt,
     ConfigOpt,
+    EqualNanOpt,
     ExcludeOpt,
     JsonOpt,
+    JunitOpt,
+    MapOpt,
+    PresetOpt,
+    RtolOpt,
 )
 from modeltap.errors import InputError
 
@@ -30,31 +36,10 @@ def diff_command(
             help="Second dump; rtol is relative to |B|, as torch.allclose(A, B).", metavar="B"
         ),
     ],
-    atol: Annotated[
-        float | None,
-        typer.Option(help="Absolute tolerance [default: 1e-8].", metavar="X", rich_help_panel=TOL),
-    ] = None,
-    rtol: Annotated[
-        float | None,
-        typer.Option(help="Relative tolerance [default: 1e-5].", metavar="X", rich_help_panel=TOL),
-    ] = None,
-    preset: Annotated[
-        str | None,
-        typer.Option(
-            help="Tolerances from configs/tolerances.toml: exact, fp32, tf32, bf16...",
-            metavar="NAME",
-            rich_help_panel=TOL,
-        ),
-    ] = None,
-    map_: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--map",
-            help="Rename A's keys to B's: OLD=NEW globs ('bert.*=*').",
-            metavar="OLD=NEW",
-            rich_help_panel=KEYS,
-        ),
-    ] = None,
+    atol: AtolOpt = None,
+    rtol: RtolOpt = None,
+    preset: PresetOpt = None,
+    map_: MapOpt = None,
     include: Annotated[
         list[str] | None,
         typer.Option(
@@ -62,12 +47,7 @@ def diff_command(
         ),
     ] = None,
     exclude: ExcludeOpt = None,
-    equal_nan: Annotated[
-        bool | None,
-        typer.Option(
-            "--equal-nan/--nan-differs", help="Count NaN == NaN as equal.", rich_help_panel=TOL
-        ),
-    ] = None,
+    equal_nan: EqualNanOpt = None,
     upcast: Annotated[
         bool | None,
         typer.Option(
@@ -86,14 +66,7 @@ def diff_command(
         bool, typer.Option("--all", help="List every pair, in order.", rich_help_panel=OUTPUT)
     ] = False,
     json_out: JsonOpt = False,
-    junit: Annotated[
-        Path | None,
-        typer.Option(
-            help="Also write JUnit XML, one test case per tensor.",
-            metavar="FILE",
-            rich_help_panel=OUTPUT,
-        ),
-    ] = None,
+    junit: JunitOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """Compare two dumps; exit 0 when every tensor is within tolerance, 1 when not."""
@@ -113,7 +86,12 @@ def diff_command(
         strict=strict,
     )
     # Precedence for tolerances: settings files and env < preset < --atol/--rtol.
-    values = {"atol": s.atol, "rtol": s.rtol}
+    values = {
+        "atol": s.atol,
+        "rtol": s.rtol,
+        "scaled_atol": s.scaled_atol,
+        "min_cosine": s.min_cosine,
+    }
     if s.preset:
         values.update(tolerance_preset(s.preset))
     values.update({k: v for k, v in {"atol": atol, "rtol": rtol}.items() if v is not None})

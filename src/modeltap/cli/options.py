@@ -240,3 +240,53 @@ SeedOpt = Annotated[
         help="torch seed set before the run [default: 0].", rich_help_panel=RUNNING, metavar="N"
     ),
 ]
+
+# Tolerances and key renames, shared by diff and compare.
+PresetOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Tolerances from configs/tolerances.toml: exact, fp32, tf32, bf16, fp16, compile, "
+        "cross-device.",
+        metavar="NAME",
+        rich_help_panel=TOL,
+    ),
+]
+AtolOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Absolute tolerance; wins over --preset [default: 1e-8].",
+        metavar="X",
+        rich_help_panel=TOL,
+    ),
+]
+RtolOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Relative tolerance; wins over --preset [default: 1e-5].",
+        metavar="X",
+        rich_help_panel=TOL,
+    ),
+]
+MapOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--map",
+        help="Rename A's keys to B's: OLD=NEW globs ('bert.*=*'); repeatable.",
+        metavar="OLD=NEW",
+        rich_help_panel=KEYS,
+    ),
+]
+EqualNanOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--equal-nan/--nan-differs", help="Count NaN == NaN as equal.", rich_help_panel=TOL
+    ),
+]
+JunitOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="Also write JUnit XML, one test case per tensor.",
+        metavar="FILE",
+        rich_help_panel=OUTPUT,
+    ),
+]

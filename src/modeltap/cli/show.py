@@ -29,9 +29,7 @@ def show(
     step: Annotated[
         int | None, typer.Option(help="Run folder: show this recorded step's tree.", metavar="N")
     ] = None,
-    rank: Annotated[
-        int, typer.Option(help="Run folder: the rank to show.", metavar="R")
-    ] = 0,
+    rank: Annotated[int, typer.Option(help="Run folder: the rank to show.", metavar="R")] = 0,
     json_out: JsonOpt = False,
 ) -> None:
     """Print a dump's tree of statistics, or a recorded run's trends over its steps."""

@@ -1,0 +1,312 @@
+"""`modeltap compare`: run a model and a variant of it; say which module introduced the error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from modeltap.cli.app import app, handle_errors, settings, stderr, stdout, write_atomically
+from modeltap.cli.options import (
+    OUTPUT,
+    RUNNING,
+    AtolOpt,
+    ConfigOpt,
+    DepthOpt,
+    DeviceOpt,
+    DTypeOpt,
+    EqualNanOpt,
+    ExcludeOpt,
+    IncludeOpt,
+    InputFileOpt,
+    JsonOpt,
+    JunitOpt,
+    MapOpt,
+    ModelArg,
+    ModelClassOpt,
+    PresetOpt,
+    RevisionOpt,
+    RtolOpt,
+    StatsOnlyOpt,
+    TokenizerOpt,
+    TrainModeOpt,
+    TrustOpt,
+)
+from modeltap.config import Settings
+from modeltap.errors import InputError
+
+REPORT_FILE = "report.json"
+
+
+@app.command("compare")
+@handle_errors
+def compare_command(
+    model: ModelArg = None,
+    rest: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="[CANDIDATE] TEXT...: a second checkpoint to compare with (without --against, "
+            "or a folder holding config.json), then the sentences.",
+            show_default=False,
+            metavar="TEXT",
+        ),
+    ] = None,
+    against: Annotated[
+        str | None,
+        typer.Option(
+            "--against",
+            "-a",
+            help="The variant: bf16, fp16, attn:IMPL (eager, sdpa...), cuda, compile, export.",
+            metavar="VARIANT",
+            rich_help_panel="Variant",
+        ),
+    ] = None,
+    input_file: InputFileOpt = None,
+    depth: DepthOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    preset: PresetOpt = None,
+    atol: AtolOpt = None,
+    rtol: RtolOpt = None,
+    map_: MapOpt = None,
+    equal_nan: EqualNanOpt = None,
+    out_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Keep both dumps (candidate and reference) and report.json here.",
+            metavar="DIR",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
+    stats_only: StatsOnlyOpt = None,
+    json_out: JsonOpt = False,
+    junit: JunitOpt = None,
+    show_all: Annotated[
+        bool, typer.Option("--all", help="List every module.", rich_help_panel=OUTPUT)
+    ] = False,
+    revision: RevisionOpt = None,
+    model_class: ModelClassOpt = None,
+    tokenizer: TokenizerOpt = None,
+    trust_remote_code: TrustOpt = None,
+    dtype: DTypeOpt = None,
+    device: DeviceOpt = None,
+    seed: Annotated[
+        int | None,
+        typer.Option(
+            help="torch seed of both runs [default: 0].", metavar="N", rich_help_panel=RUNNING
+        ),
+    ] = None,
+    train_mode: TrainModeOpt = None,
+    use_cache: Annotated[
+        bool | None,
+        typer.Option(
+            "--use-cache/--no-use-cache",
+            help="Let the model keep a cache [default: no].",
+            rich_help_panel=RUNNING,
+        ),
+    ] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Compare a model with a variant (bf16, attn:eager, a checkpoint...): where they part ways,
+    and which module introduced the error; exit 0 within tolerance, 1 when not."""
+    from modeltap.compare import DEFAULT_PRESET, parse_against
+
+    s = settings(
+        "compare",
+        config,
+        model=model,
+        against=against,
+        input_file=str(input_file) if input_file else None,
+        depth=depth,
+        include=include or [],
+        exclude=exclude or [],
+        preset=preset,
+        map=map_ or [],
+        equal_nan=equal_nan,
+        out_dir=str(out_dir) if out_dir else None,
+        stats_only=stats_only,
+        revision=revision,
+        model_class=model_class,
+        tokenizer=tokenizer,
+        trust_remote_code=trust_remote_code,
+        dtype=dtype.value if dtype else None,
+        device=device.value if device else None,
+        seed=seed,
+        train_mode=train_mode,
+        use_cache=use_cache,
+    )
+    _split_positionals(s, list(rest or []))
+    variant = parse_against(s.against)
+    if not s.model:
+        raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
+    if s.candidate is None and s.against is None:
+        raise InputError("nothing to compare with; give a CANDIDATE model or --against bf16, ...")
+    if s.texts and s.input_file:
+        raise InputError("give TEXT or --input-file, not both")
+    if not s.texts and not s.input_file:
+        if s.against is None:
+            raise InputError(
+                f"nothing to run on, or nothing to compare with: '{s.candidate}' was taken for "
+                "the CANDIDATE model; give TEXT after it, or --against bf16, ... for a variant"
+            )
+        raise InputError("nothing to run on; give TEXT or --input-file")
+    preset_name = s.preset or _default_preset(DEFAULT_PRESET[variant.kind])
+    from modeltap.config import tolerance_values
+    from modeltap.diff import Tolerance
+    from modeltap.dump import check_writable
+
+    values = tolerance_values(s, atol=atol, rtol=rtol, preset=preset_name)
+    overrides = [(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()]
+    if junit is not None:
+        check_writable(junit)
+    work = _out_dir(s.out_dir)
+
+    report = _run(s, variant, Tolerance(**values), overrides, work)
+    report.preset = preset_name
+    if work is not None:
+        write_atomically(work / REPORT_FILE, json.dumps(report.to_json(), indent=1))
+    if junit is not None:
+        from modeltap.diff import junit_xml
+
+        notes = {
+            p.key: f"module {m.name}: {m.verdict.replace('_', ' ')}"
+            for m in report.modules
+            for p in m.cumulative
+            if report.module_of(p) == m.name
+        }
+        write_atomically(junit, junit_xml(report.cumulative, name="modeltap compare", notes=notes))
+    if json_out:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        from modeltap.render import compare_heading, compare_table
+
+        console = stdout()
+        console.print(compare_heading(report))
+        table = compare_table(report, show_all=show_all, width=console.width)
+        if table.row_count:
+            console.print(table)
+    if work is not None:
+        stderr().print(
+            f"wrote {work}/: candidate.safetensors, reference.safetensors, {REPORT_FILE}"
+        )
+    raise typer.Exit(0 if report.passed else 1)
+
+
+def _split_positionals(s: Settings, rest: list[str]) -> None:
+    """MODEL [CANDIDATE] TEXT...: the first of `rest` is the candidate without --against, or with
+    it when it is a folder holding config.json; the others are sentences."""
+    if rest and s.candidate is None:
+        first = Path(rest[0]).expanduser()
+        if s.against is None or (first / "config.json").is_file():
+            s.candidate, rest = rest[0], rest[1:]
+    if rest:
+        s.texts = rest
+
+
+def _out_dir(path: str | None) -> Path | None:
+    if path is None:
+        return None
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"--out-dir '{folder}' is a file; give a folder")
+    if not folder.parent.is_dir():
+        raise InputError(f"--out-dir: folder '{folder.parent}' does not exist; create it first")
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def _run(s: Settings, variant: Any, tolerance: Any, overrides: Any, work: Path | None) -> Any:
+    import tempfile
+
+    from modeltap.cli.dump import _load_with_inputs, _run_metadata
+    from modeltap.compare import Options, compare_models, make_candidate
+    from modeltap.compare.variants import compute_dtype, model_device
+    from modeltap.loading import load_model
+    from modeltap.selection import Selection, select_modules
+
+    err = stderr()
+    with err.status(f"loading {s.model}"):
+        loaded, inputs, _ = _load_with_inputs(s)
+        shared = s.candidate is None
+        other = None
+        if not shared:
+            other = load_model(
+                s.candidate or "",
+                revision=s.revision,
+                model_class_name=s.model_class,
+                dtype=s.dtype,
+                device=s.device,
+                trust_remote_code=s.trust_remote_code,
+            )
+        base = loaded.model if other is None else other.model
+        candidate = make_candidate(base, variant, shared=shared)
+    inputs = _no_cache(loaded.model, inputs, s.use_cache)
+    modules = select_modules(loaded.model, Selection(s.depth, tuple(s.include), tuple(s.exclude)))
+    note, rename = "", list(s.map)
+    if variant.backend:
+        from modeltap.compare.backends import COMPILED_RENAME, transform
+
+        with err.status(f"{variant.backend} of the modules at --depth {s.depth}"):
+            note = transform(variant.backend, candidate, loaded.model, inputs, s.depth)
+        rename += COMPILED_RENAME if variant.backend == "compile" else ()
+    options = Options(
+        tolerance=tolerance,
+        overrides=overrides,
+        rename=rename,
+        replay_depth=s.depth if variant.backend else None,
+        equal_nan=s.equal_nan,
+        train_mode=s.train_mode,
+        seed=s.seed,
+    )
+    ref_meta = _run_metadata(s, loaded)
+    cand_meta = {
+        "model": s.candidate or s.model or "",
+        "variant": variant.label,
+        "dtype": str(compute_dtype(candidate)).removeprefix("torch."),
+        "device": str(model_device(candidate)),
+    }
+    with tempfile.TemporaryDirectory(prefix="modeltap-compare-") as tmp:
+        with err.status(f"comparing {loaded.model_class} with {variant.label}"):
+            report = compare_models(
+                loaded.model,
+                candidate,
+                inputs,
+                modules,
+                work or tmp,
+                options=options,
+                keep=work is not None,
+                stats_only=s.stats_only,
+                metadata=(ref_meta, cand_meta),
+            )
+    report.replay_note = note
+    report.reference = {**ref_meta, "model_class": loaded.model_class}
+    report.candidate = {**cand_meta, "model_class": type(candidate).__name__}
+    return report
+
+
+def _default_preset(name: str) -> str:
+    """`name`, or fp32 when configs/tolerances.toml has no such preset."""
+    from modeltap.config import tolerance_preset
+
+    try:
+        tolerance_preset(name)
+    except InputError:
+        return "fp32"
+    return name
+
+
+def _no_cache(model: Any, inputs: Any, use_cache: bool) -> Any:
+    """use_cache=False unless asked: a cache is state, and a replayed module would see it."""
+    import inspect
+
+    from modeltap.loading import Inputs
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return inputs
+    if "use_cache" not in params or "use_cache" in inputs.kwargs:
+        return inputs
+    return Inputs(inputs.args, {**inputs.kwargs, "use_cache": use_cache}, inputs.description)

@@ -1,0 +1,25 @@
+"""`compare`: run two variants of a model, replay every module, and say which one introduced the
+error (`replay`), as a report (`report`) on a candidate built from the reference (`variants`).
+
+Reuses diff for every tensor comparison, tolerance and the first divergence.
+"""
+
+from __future__ import annotations
+
+from modeltap.compare.replay import CANDIDATE_FILE, REFERENCE_FILE, Options, compare_models
+from modeltap.compare.report import REPORT_SCHEMA, CompareReport, ModuleResult
+from modeltap.compare.variants import DEFAULT_PRESET, Variant, make_candidate, parse_against
+
+__all__ = [
+    "CANDIDATE_FILE",
+    "DEFAULT_PRESET",
+    "REFERENCE_FILE",
+    "REPORT_SCHEMA",
+    "CompareReport",
+    "ModuleResult",
+    "Options",
+    "Variant",
+    "compare_models",
+    "make_candidate",
+    "parse_against",
+]

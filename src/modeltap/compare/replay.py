@@ -1,0 +1,497 @@
+"""Run the candidate, then the reference with each selected module replayed inline.
+
+1. The candidate runs with the selected modules hooked; their outputs stream to a dump on disk.
+2. The reference runs with the same modules hooked. In each module's forward hook:
+   - its outputs are compared with the candidate's (read back from disk one tensor at a time):
+     the **cumulative** error, with diff's metrics and tolerances;
+   - the reference module is called again on its exact args and kwargs, and must reproduce its
+     output bit for bit (**validation**: a module with hidden state, randomness or an input it
+     changes in place can't be replayed faithfully, and is flagged rather than blamed);
+   - the candidate's corresponding module is called on the same args and kwargs, cast to its
+     dtype and moved to its device: its output against the reference's is the **local** error,
+     the error the module makes by itself from perfect inputs.
+   Nothing is stored: the replays' outputs are compared and dropped before the forward goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from modeltap.capture import Recorder, flatten, hooks, make_key, run_model
+from modeltap.compare.report import REPLAYED, CompareReport, ModuleResult, attribute
+from modeltap.compare.variants import compute_dtype, model_device
+from modeltap.diff import DiffReport, Pair, Tolerance, _Buffers, apply_map, compare, parse_map
+from modeltap.dump import DumpWriter, _read_header, _torch_dtype, load_dump
+from modeltap.errors import first_line
+from modeltap.loading import Inputs
+from modeltap.selection import ROOT
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+CANDIDATE_FILE = "candidate.safetensors"
+REFERENCE_FILE = "reference.safetensors"
+
+
+@dataclass
+class Options:
+    """How to compare; the defaults are diff's."""
+
+    tolerance: Tolerance = field(default_factory=Tolerance)
+    overrides: Sequence[tuple[str, Tolerance]] = ()
+    rename: Sequence[str] = ()
+    equal_nan: bool = False
+    train_mode: bool = False
+    seed: int = 0
+    # Replay only modules with at most this many dotted name parts (None: every selected one).
+    replay_depth: int | None = None
+
+
+def compare_models(
+    reference: nn.Module,
+    candidate: nn.Module,
+    inputs: Inputs,
+    modules: list[str],
+    work_dir: str | os.PathLike[str],
+    *,
+    options: Options | None = None,
+    keep: bool = False,
+    stats_only: bool = False,
+    metadata: tuple[dict[str, str], dict[str, str]] = ({}, {}),
+) -> CompareReport:
+    """Compare `candidate` with `reference` on `inputs`, module by module (display names).
+
+    The candidate's dump is written to `work_dir` (it holds the tensors the cumulative comparison
+    reads back). With `keep`, `work_dir` keeps candidate.safetensors and the reference's
+    reference.safetensors, so `modeltap diff` and `show` can look again later; with `stats_only`
+    too, both keep statistics only (the candidate's tensors go to a temporary file, removed).
+    """
+    import torch
+
+    options = options or Options()
+    work = Path(work_dir)
+    rules = parse_map(options.rename)
+    cand_names = {(n or ROOT): m for n, m in candidate.named_modules()}
+    counterpart: dict[str, str] = {}
+    for cname in cand_names:
+        counterpart.setdefault(apply_map(cname, rules), cname)
+    results = {name: ModuleResult(name, other=counterpart.get(name)) for name in modules}
+    for result in results.values():
+        if result.other is None:
+            result.status = "unmapped"
+
+    mask = inputs.attention_mask
+    row_mask = None if mask is None else mask.bool()
+    cand_path = work / (f".{CANDIDATE_FILE}.tensors" if stats_only and keep else CANDIDATE_FILE)
+    cand_inputs = inputs.to(str(model_device(candidate)), compute_dtype(candidate))
+    cand_modules = [r.other for r in results.values() if r.other is not None]
+    cand_writer = DumpWriter(cand_path, row_mask=row_mask, reserve=4096 + 1536 * len(modules))
+    with cand_writer, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(options.seed)
+        with hooks(candidate, cand_modules, cand_writer, train_mode=options.train_mode) as rec:
+            with torch.no_grad():
+                run_model(candidate, cand_inputs.args, cand_inputs.kwargs)
+        cand_writer.finish(_meta(candidate, inputs, rec, metadata[1], options))
+    try:
+        cand_dump = load_dump(cand_path)
+        cumulative = _Cumulative(cand_dump, _TensorReader(cand_path), rules, options)
+        replayer = _Replayer(reference, cand_names, results, options)
+        replayer.buffers = cumulative.buffers  # one set of work buffers: they are the largest
+        with ExitStack() as stack:
+            sinks: list[Any] = [cumulative]
+            ref_writer = None
+            if keep:
+                ref_writer = DumpWriter(
+                    work / REFERENCE_FILE,
+                    stats_only=stats_only,
+                    row_mask=row_mask,
+                    reserve=4096 + 1536 * len(modules),
+                )
+                sinks.insert(0, stack.enter_context(ref_writer))
+            recorder = Recorder(_Tee(sinks))
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(options.seed)
+                with _reference_hooks(reference, results, recorder, replayer, options.train_mode):
+                    with torch.no_grad():
+                        run_model(reference, inputs.args, inputs.kwargs)
+            if ref_writer is not None:
+                ref_writer.finish(_meta(reference, inputs, recorder, metadata[0], options))
+        if stats_only and keep:
+            _stats_only_copy(cand_dump, work / CANDIDATE_FILE)
+    finally:
+        if stats_only and keep:
+            cand_path.unlink(missing_ok=True)
+    report = cumulative.report(work / CANDIDATE_FILE, work / REFERENCE_FILE)
+    for key, pair in cumulative.by_key.items():  # aliases too: a module's own keys
+        module = results.get(_module(key))
+        if module is not None and all(p is not pair for p in module.cumulative):
+            module.cumulative.append(pair)
+    for result in results.values():
+        if result.status == REPLAYED and result.calls == 0:
+            result.status = "not_called"
+    ordered = list(results.values())
+    attribute(ordered)
+    return CompareReport(
+        reference={},
+        candidate={},
+        cumulative=report,
+        modules=ordered,
+        replay_depth=options.replay_depth,
+    )
+
+
+def _module(key: str) -> str:
+    from modeltap.capture import split_key
+
+    return split_key(key)[0]
+
+
+def _meta(
+    model: nn.Module, inputs: Inputs, rec: Recorder, extra: dict[str, str], options: Options
+) -> dict[str, str]:
+    from modeltap.run import environment
+
+    return {
+        "kind": "activations",
+        **environment(),
+        "model_class": type(model).__name__,
+        "seed": str(options.seed),
+        "train_mode": str(options.train_mode).lower(),
+        **extra,
+        "inputs": json.dumps(inputs.description),
+        "order": json.dumps(rec.order),
+        "skipped": json.dumps(rec.skipped),
+        "skipped_none": str(rec.skipped_none),
+    }
+
+
+def _stats_only_copy(dump: Any, path: Path) -> None:
+    """The candidate's dump without its tensors: statistics, order and aliases only."""
+    writer = DumpWriter(path, stats_only=True)
+    with writer:
+        writer.stats = dict(dump.stats)
+        writer.aliases = dict(dump.aliases)
+        meta = {k: v for k, v in dump.metadata.items() if k not in ("stats", "aliases")}
+        for key in ("format", "format_version", "stats_only", "dead_threshold"):
+            meta.pop(key, None)
+        writer.finish(meta)
+
+
+class _TensorReader:
+    """Reads one tensor of a dump at a time with plain file reads: no memory map, so what was
+    read is freed with the tensor instead of staying resident in this process."""
+
+    def __init__(self, path: Path) -> None:
+        header = _read_header(path)
+        assert header is not None  # written by DumpWriter just now
+        self.start, self.entries = header
+        self.file = open(path, "rb")  # noqa: SIM115 - closed in __del__ with the reader
+
+    def __del__(self) -> None:
+        self.file.close()
+
+    def read(self, key: str) -> torch.Tensor:
+        import torch
+
+        info = self.entries[key]
+        begin, end = info["data_offsets"]
+        out = torch.empty(info["shape"], dtype=_torch_dtype(info["dtype"]))
+        if end > begin:
+            self.file.seek(self.start + begin)
+            self.file.readinto(memoryview(out.view(-1).view(torch.uint8).numpy()))
+        return out
+
+
+class _Tee:
+    def __init__(self, sinks: list[Any]) -> None:
+        self.sinks = sinks
+
+    def tensor(self, key: str, tensor: torch.Tensor) -> None:
+        for sink in self.sinks:
+            sink.tensor(key, tensor)
+
+    def alias(self, key: str, target: str) -> None:
+        for sink in self.sinks:
+            sink.alias(key, target)
+
+
+class _Cumulative:
+    """A capture sink for the reference run: each output against the candidate's, as diff would
+    (A = candidate, B = reference), as soon as the reference produces it."""
+
+    def __init__(self, cand: Any, reader: _TensorReader, rules: Any, options: Options) -> None:
+        self.cand = cand
+        self.reader = reader
+        self.options = options
+        self.by_ref = {}
+        for key in cand.keys():
+            self.by_ref.setdefault(apply_map(key, rules), key)
+        self.pairs: list[Pair] = []
+        self.done: dict[str, Pair] = {}  # candidate's stored key -> its pair
+        self.by_key: dict[str, Pair] = {}  # reference key -> its pair
+        self.only_ref: list[str] = []
+        self.matched: set[str] = set()
+        self.buffers = _Buffers()
+
+    def tensor(self, key: str, tensor: torch.Tensor) -> None:
+        other = self.by_ref.get(key)
+        if other is None:
+            self.only_ref.append(key)
+            return
+        self.matched.add(other)
+        stored = self.cand.resolve(other)
+        if stored in self.done:  # the candidate holds one tensor where the reference has two
+            self.done[stored].aliases.append(other)
+            return
+        tol = next(
+            (t for glob, t in self.options.overrides if fnmatchcase(other, glob)),
+            self.options.tolerance,
+        )
+        pair = compare(
+            other,
+            key,
+            self.reader.read(stored),
+            tensor.detach(),
+            tol,
+            equal_nan=self.options.equal_nan,
+            upcast=True,
+            buffers=self.buffers,
+        )
+        self.done[stored] = pair
+        self.by_key[key] = pair
+        self.pairs.append(pair)
+
+    def alias(self, key: str, target: str) -> None:
+        other = self.by_ref.get(key)
+        if other is None:
+            self.only_ref.append(key)
+            return
+        self.matched.add(other)
+        pair = self.by_key.get(target)
+        if pair is not None:
+            pair.aliases.append(other)
+            self.by_key[key] = pair
+
+    def report(self, cand_path: Path, ref_path: Path) -> DiffReport:
+        only_cand = [
+            k for k in self.cand.keys() if k not in self.matched and not k.startswith("grad/")
+        ]
+        return DiffReport(
+            cand_path,
+            ref_path,
+            self.options.tolerance,
+            self.pairs,
+            only_cand,
+            self.only_ref,
+            [],
+            ordered=True,
+        )
+
+
+class _Replayer:
+    """Replays a reference module's call on the reference itself and on the candidate."""
+
+    def __init__(
+        self,
+        reference: nn.Module,
+        cand_modules: dict[str, nn.Module],
+        results: dict[str, ModuleResult],
+        options: Options,
+    ) -> None:
+        self.cand_modules = cand_modules
+        self.results = results
+        self.options = options
+        self.active = False  # True during a replay: hooks fired by it are not the forward's
+        self.buffers = _Buffers()
+        # A module without weights (an activation, a dropout) computes in the candidate's dtype.
+        root = cand_modules[ROOT]
+        self.default = (compute_dtype(root), model_device(root))
+        # Attention masks are built by the model in its attention implementation's format
+        # (sdpa: boolean, eager: additive). A candidate with another implementation gets the
+        # reference's masks in the additive form, which every implementation reads.
+        self.additive_masks = _attn_impl(reference) != _attn_impl(root)
+
+    def __call__(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        import torch
+
+        result = self.results[name]
+        call = result.calls
+        result.calls += 1
+        if result.status != REPLAYED:
+            return
+        if self.options.replay_depth is not None and _depth(name) > self.options.replay_depth:
+            result.status = "not_replayed"
+            return
+        why = _not_replayable(module, args, kwargs)
+        if why:
+            result.status = why
+            return
+        cand = self.cand_modules[result.other or ""]
+        dtype, device = _module_dtype_device(cand) or self.default
+        self.active = True
+        try:
+            with torch.random.fork_rng(devices=_rng_devices(device)), torch.no_grad():
+                again = module(*_cast(args, None, None), **_cast(kwargs, None, None))
+                if not _identical(again, output):
+                    result.valid = False
+                    result.note = "replaying the reference did not reproduce its output"
+                del again
+                try:
+                    masks = self.additive_masks
+                    replayed = cand(
+                        *_cast(args, dtype, device, masks), **_cast(kwargs, dtype, device, masks)
+                    )
+                except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+                    result.status = "replay_error"
+                    result.note = first_line(exc)
+                    return
+        finally:
+            self.active = False
+        expected = dict(flatten(output))
+        got = dict(flatten(replayed))
+        for part, ref in expected.items():
+            if not isinstance(ref, torch.Tensor) or not ref.is_floating_point():
+                continue
+            value = got.get(part)
+            key = make_key(name, call, part)
+            if not isinstance(value, torch.Tensor):
+                result.status = "replay_error"
+                result.note = f"the candidate's module returned no tensor for '{key}'"
+                return
+            tol = next(
+                (t for glob, t in self.options.overrides if fnmatchcase(key, glob)),
+                self.options.tolerance,
+            )
+            pair = compare(
+                key,
+                key,
+                value.detach().to(ref.device),
+                ref.detach(),
+                tol,
+                equal_nan=self.options.equal_nan,
+                upcast=True,
+                buffers=self.buffers,
+            )
+            result.local.append(pair)
+
+
+def _depth(name: str) -> int:
+    return 0 if name == ROOT else name.count(".") + 1
+
+
+def _rng_devices(device: Any) -> list[Any]:
+    return [device] if getattr(device, "type", "cpu") == "cuda" else []
+
+
+def _module_dtype_device(module: nn.Module) -> tuple[Any, Any] | None:
+    """The dtype and device of a module's first floating parameter or buffer, if any."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_floating_point():
+            return tensor.dtype, tensor.device
+    return None
+
+
+def _attn_impl(model: nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def _cast(value: Any, dtype: Any, device: Any, additive_masks: bool = False) -> Any:
+    """Tensors in args/kwargs, floating ones cast to `dtype`, all moved to `device`; always new
+    tensors, so a module that changes its input in place can't touch the reference's.
+    `additive_masks`: 4-d boolean masks become additive ones (0 to keep, dtype's min to drop)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if additive_masks and value.dtype == torch.bool and value.dim() == 4:
+            work = dtype or torch.float32
+            mask = torch.zeros(value.shape, dtype=work, device=device)
+            return mask.masked_fill_(~value.to(device), torch.finfo(work).min)
+        floating = dtype if value.is_floating_point() and dtype is not None else None
+        return value.detach().to(device=device, dtype=floating, copy=True)
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_cast(v, dtype, device, additive_masks) for v in value)
+    if isinstance(value, list):
+        return [_cast(v, dtype, device, additive_masks) for v in value]
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _cast(v, dtype, device, additive_masks) for k, v in value.items()}
+    return value
+
+
+def _identical(a: Any, b: Any) -> bool:
+    """Bit for bit, NaNs in the same places equal."""
+    import torch
+
+    left, right = list(flatten(a)), list(flatten(b))
+    if [p for p, _ in left] != [p for p, _ in right]:
+        return False
+    for (_, x), (_, y) in zip(left, right, strict=True):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if not isinstance(x, torch.Tensor):
+            continue
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if not torch.equal(x, y):
+            if not x.is_floating_point():
+                return False
+            both_nan = torch.isnan(x) & torch.isnan(y)
+            if not bool(((x == y) | both_nan).all()):
+                return False
+    return True
+
+
+def _not_replayable(module: nn.Module, args: Any, kwargs: Any) -> str | None:
+    """`nondeterministic` for active dropout in the module, `stateful` for a cache in the call."""
+    from torch import nn
+
+    if module.training and any(
+        isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules()
+    ):
+        return "nondeterministic"
+    for _, leaf in flatten((args, kwargs)):
+        if type(leaf).__name__.endswith("Cache") or hasattr(leaf, "get_seq_length"):
+            return "stateful"
+    return None
+
+
+@contextmanager
+def _reference_hooks(
+    model: nn.Module,
+    results: dict[str, ModuleResult],
+    recorder: Recorder,
+    replayer: _Replayer,
+    train_mode: bool,
+) -> Iterator[None]:
+    """Hook the reference for the duration of the block; hooks and modes are restored after."""
+    by_name = {(n or ROOT): m for n, m in model.named_modules()}
+    handles = []
+    modes = {m: m.training for m in by_name.values()}
+
+    def make(name: str) -> Any:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if replayer.active:
+                return
+            recorder.record(name, output)
+            replayer(name, module, args, kwargs, output)
+
+        return hook
+
+    try:
+        model.train(train_mode)
+        for name in results:
+            handles.append(by_name[name].register_forward_hook(make(name), with_kwargs=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, training in modes.items():
+            if module.training != training:
+                module.training = training

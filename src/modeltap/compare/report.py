@@ -1,0 +1,192 @@
+"""What `compare` found, per module: local error (replay), cumulative error (diff), attribution.
+
+An **origin** is a module whose local error is out of tolerance while none of its selected
+descendants' is: the error arises in its own code. A module is **inherited** when its cumulative
+error is out of tolerance and its local error is within: it only passes on what it received.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from modeltap.capture import split_key
+from modeltap.diff import DiffReport, Pair
+from modeltap.selection import ROOT
+
+REPORT_SCHEMA = "modeltap.compare/1"
+
+# Module statuses: replayed, or why not.
+REPLAYED = "replayed"
+NOT_COMPARED = {
+    "nondeterministic": "uses randomness (dropout in train mode): reported, not compared",
+    "stateful": "takes a cache or other state: reported, not compared",
+    "unmapped": "has no counterpart in the candidate (see --map)",
+    "not_called": "never called in the forward (a container such as ModuleList)",
+    "replay_error": "the candidate's module failed on the reference's inputs",
+    "not_replayed": "below the replay depth",
+}
+
+
+@dataclass
+class ModuleResult:
+    """One selected module of the reference."""
+
+    name: str
+    other: str | None = None  # the candidate's module
+    status: str = REPLAYED
+    calls: int = 0
+    local: list[Pair] = field(default_factory=list)
+    cumulative: list[Pair] = field(default_factory=list)
+    # False when replaying the reference module on its own inputs did not reproduce its output
+    # bit for bit: its local error can't be trusted (hidden state, randomness, in-place inputs).
+    valid: bool = True
+    note: str = ""
+    origin: bool = False
+
+    @property
+    def compared(self) -> bool:
+        return self.status == REPLAYED and self.valid and bool(self.local)
+
+    @property
+    def local_out(self) -> bool:
+        return self.compared and any(not p.ok for p in self.local)
+
+    @property
+    def cumulative_out(self) -> bool:
+        return any(not p.ok for p in self.cumulative)
+
+    @property
+    def local_error(self) -> float | None:
+        """The largest max |a - b| / max |b| over the module's outputs, replayed."""
+        return _worst(self.local)
+
+    @property
+    def cumulative_error(self) -> float | None:
+        return _worst(self.cumulative)
+
+    @property
+    def verdict(self) -> str:
+        if self.status != REPLAYED:
+            return self.status
+        if not self.valid:
+            return "replay_invalid"
+        if self.origin:
+            return "origin"
+        if self.local_out:
+            return "via_child"  # out of tolerance because a descendant is
+        if self.cumulative_out:
+            return "inherited"
+        return "ok"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "module": self.name,
+            "candidate": self.other,
+            "status": self.status,
+            "verdict": self.verdict,
+            "calls": self.calls,
+            "valid": self.valid,
+            "local_error": self.local_error,
+            "cumulative_error": self.cumulative_error,
+            "local": [p.to_json() for p in self.local],
+            "cumulative": [p.other for p in self.cumulative],
+        }
+        if self.note:
+            out["note"] = self.note
+        return out
+
+
+def _worst(pairs: list[Pair]) -> float | None:
+    values = [p.max_scaled for p in pairs if p.max_scaled is not None]
+    if any(p.status in ("shape", "dtype") or p.nan_mismatch for p in pairs):
+        return float("inf")
+    return max(values) if values else None
+
+
+def _descends(name: str, ancestor: str) -> bool:
+    return ancestor == ROOT and name != ROOT or name.startswith(ancestor + ".")
+
+
+def attribute(modules: list[ModuleResult]) -> None:
+    """Mark origins: local error out of tolerance, and no selected descendant's is."""
+    out = [m.name for m in modules if m.local_out]
+    for module in modules:
+        module.origin = module.local_out and not any(_descends(o, module.name) for o in out)
+
+
+@dataclass
+class CompareReport:
+    reference: dict[str, str]
+    candidate: dict[str, str]
+    cumulative: DiffReport
+    modules: list[ModuleResult]
+    preset: str | None = None
+    replay_depth: int | None = None
+    replay_note: str = ""
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def origins(self) -> list[ModuleResult]:
+        """Origins, largest local error first."""
+        found = [m for m in self.modules if m.origin]
+        return sorted(found, key=lambda m: -(m.local_error or 0.0))
+
+    @property
+    def inherited(self) -> list[ModuleResult]:
+        return [m for m in self.modules if m.verdict == "inherited"]
+
+    @property
+    def invalid(self) -> list[ModuleResult]:
+        return [m for m in self.modules if m.status == REPLAYED and not m.valid]
+
+    @property
+    def not_compared(self) -> list[ModuleResult]:
+        return [m for m in self.modules if m.status != REPLAYED]
+
+    @property
+    def first_divergence(self) -> Pair | None:
+        return self.cumulative.first_divergence
+
+    @property
+    def passed(self) -> bool:
+        return self.cumulative.passed and not any(m.local_out for m in self.modules)
+
+    def module_of(self, pair: Pair) -> str:
+        """The reference module a cumulative pair belongs to (B, the reference, is `other`)."""
+        return split_key(pair.other)[0]
+
+    def to_json(self) -> dict[str, Any]:
+        first = self.first_divergence
+        return {
+            "schema": REPORT_SCHEMA,
+            "passed": self.passed,
+            "reference": self.reference,
+            "candidate": self.candidate,
+            "preset": self.preset,
+            "tolerance": asdict(self.cumulative.tolerance),
+            "replay": {"depth": self.replay_depth, "note": self.replay_note},
+            "origins": [
+                {
+                    "module": m.name,
+                    "local_error": m.local_error,
+                    "keys": [p.other for p in m.local if not p.ok],
+                }
+                for m in self.origins
+            ],
+            "first_divergence": first.other if first else None,
+            "inherited": [m.name for m in self.inherited],
+            "replay_invalid": [m.name for m in self.invalid],
+            "not_compared": {m.name: m.status for m in self.not_compared},
+            "counts": {
+                "modules": len(self.modules),
+                "replayed": sum(m.status == REPLAYED for m in self.modules),
+                "origins": len(self.origins),
+                "inherited": len(self.inherited),
+                "replay_invalid": len(self.invalid),
+                "not_compared": len(self.not_compared),
+            },
+            "warnings": self.warnings,
+            "modules": [m.to_json() for m in self.modules],
+            "cumulative": self.cumulative.to_json(),
+        }

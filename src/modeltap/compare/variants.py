@@ -1,0 +1,153 @@
+"""The candidate of a comparison: the reference (or a second checkpoint) made into a variant.
+
+`--against` names the variant: `bf16`, `fp16` (a copy in that dtype), `attn:IMPL` (the same
+weights with another attention implementation), `cuda` (a copy on the GPU). Copies share nothing
+they don't have to: an attention variant shares the reference's parameters, a dtype copy holds only
+its own low-precision weights.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from modeltap.errors import InputError
+from modeltap.selection import suggest
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DEVICES = ("cuda",)
+BACKENDS = ("compile", "export")
+KEYWORDS = (*DTYPES, *DEVICES, "attn:IMPL", *BACKENDS)
+# The tolerance preset used when none is asked for, by kind of variant.
+DEFAULT_PRESET = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "float32": "fp32",
+    "attn": "fp32",
+    "cuda": "cross-device",
+    "checkpoint": "fp32",
+    "compile": "compile",  # fp32 where configs/tolerances.toml has no [compile]
+    "export": "fp32",
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What turns the base model into the candidate: a dtype, a device or an attention impl."""
+
+    dtype: str | None = None
+    device: str | None = None
+    attn: str | None = None
+    backend: str | None = None  # compile or export: see compare.backends
+
+    @property
+    def label(self) -> str:
+        if self.backend:
+            return self.backend
+        if self.attn:
+            return f"attn:{self.attn}"
+        if self.device:
+            return self.device
+        return next((k for k, v in DTYPES.items() if v == self.dtype), "same")
+
+    @property
+    def kind(self) -> str:
+        if self.backend:
+            return self.backend
+        return "attn" if self.attn else (self.device or self.dtype or "checkpoint")
+
+
+def parse_against(text: str | None) -> Variant:
+    """`bf16`, `fp16`, `fp32`, `attn:IMPL`, `cuda`, `compile` or `export`; None for a plain
+    second checkpoint."""
+    if text is None:
+        return Variant()
+    if text in DTYPES:
+        return Variant(dtype=DTYPES[text])
+    if text in DEVICES:
+        return Variant(device=text)
+    if text.startswith("attn:") and text[5:]:
+        return Variant(attn=text[5:])
+    if text in BACKENDS:
+        return Variant(backend=text)
+    guess = suggest(text, KEYWORDS)
+    hint = f"did you mean '{guess}'?" if guess else "use one of " + ", ".join(KEYWORDS)
+    raise InputError(f"--against '{text}' is not a variant; {hint}")
+
+
+def _copy(model: nn.Module, convert: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """A deep copy of `model` whose parameters and buffers are `convert`ed, never copied first:
+    the memo hands deepcopy the converted tensor for each one, so a dtype copy costs only its own
+    size and an identity `convert` shares the weights."""
+    import torch
+    from torch import nn
+
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) in memo:
+            continue
+        new = convert(tensor.detach())
+        if isinstance(tensor, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = new
+    with torch.no_grad():
+        return copy.deepcopy(model, memo)
+
+
+def make_candidate(base: nn.Module, variant: Variant, *, shared: bool) -> nn.Module:
+    """The candidate model. `shared`: `base` is the reference itself, so copy rather than change
+    it; a second checkpoint (loaded for this run) is changed in place."""
+    import torch
+
+    if variant.dtype or variant.device:
+        dtype = getattr(torch, variant.dtype) if variant.dtype else None
+        device = variant.device
+        if device == "cuda" and not torch.cuda.is_available():
+            raise InputError("--against cuda asked for, but torch sees no CUDA GPU")
+
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            floating = dtype if t.is_floating_point() else None
+            return t.to(device=device, dtype=floating, copy=shared)
+
+        model = _copy(base, convert) if shared else base.to(device=device, dtype=dtype)
+    else:
+        model = _copy(base, lambda t: t) if shared else base
+    if variant.attn:
+        setter = getattr(model, "set_attn_implementation", None)
+        if setter is None:
+            raise InputError(
+                f"{type(model).__name__} has no set_attn_implementation; attn:IMPL needs a "
+                "transformers model"
+            )
+        try:
+            setter(variant.attn)
+        except (ValueError, ImportError, KeyError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InputError(
+                f"attn:{variant.attn} can't be used with {type(model).__name__}: {first}"
+            ) from exc
+    return model.eval()
+
+
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a model computes in: that of its first floating parameter (float32 if none)."""
+    import torch
+
+    for tensor in model.parameters():
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return torch.float32
+
+
+def model_device(model: nn.Module) -> torch.device:
+    import torch
+
+    for tensor in model.parameters():
+        return tensor.device
+    return torch.device("cpu")

@@ -1,0 +1,337 @@
+"""`compare`: origins found by replay, checked against faults injected and errors computed here."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from modeltap.cli import app
+from modeltap.compare import Options, compare_models, make_candidate, parse_against
+from modeltap.diff import Tolerance, compare
+from modeltap.loading import Inputs
+from modeltap.selection import Selection, select_modules
+from tests.fixtures import hf
+
+TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog"]
+FAULTY = "encoder.layer.3.output.dense"
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, ["compare", *[str(a) for a in args]])
+
+
+def build_bert6(folder: Path) -> Path:
+    """A tiny BERT with six layers, so that layers 4 and 5 come after a fault in layer 3."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=120,
+        hidden_size=32,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    BertModel(config).eval().save_pretrained(folder)
+    hf.bert_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def batch(folder: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    return dict(AutoTokenizer.from_pretrained(folder)(TEXTS, return_tensors="pt", padding=True))
+
+
+def dense_input(model, inputs: dict, name: str) -> torch.Tensor:
+    seen = {}
+
+    def hook(module, args, out):
+        seen.setdefault("x", args[0])
+
+    handle = model.get_submodule(name).register_forward_hook(hook)
+    with torch.no_grad():
+        model(**inputs)
+    handle.remove()
+    return seen["x"]
+
+
+def with_fault(src: Path, dst: Path, factor: float) -> tuple[Path, int]:
+    """A copy of `src` with one row of FAULTY's weight scaled by `factor`: the row whose output
+    is largest on TEXTS, so that the fault is as visible as one row's can be."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(src).eval()
+    out = model.get_submodule(FAULTY)(dense_input(model, batch(src), FAULTY))
+    row = int(out.abs().amax(dim=(0, 1)).argmax())
+    with torch.no_grad():
+        model.get_submodule(FAULTY).weight[row] *= factor
+    model.save_pretrained(dst)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        if (src / name).is_file():
+            (dst / name).write_bytes((src / name).read_bytes())
+    return dst, row
+
+
+def expected_local_error(src: Path, faulted: Path) -> float:
+    """Plain torch: the faulty Linear on the reference's own input, against the healthy one."""
+    from transformers import AutoModel
+
+    healthy = AutoModel.from_pretrained(src).eval()
+    broken = AutoModel.from_pretrained(faulted).eval()
+    x = dense_input(healthy, batch(src), FAULTY)
+    with torch.no_grad():
+        want = healthy.get_submodule(FAULTY)(x)
+        got = torch.nn.functional.linear(
+            x, broken.get_submodule(FAULTY).weight, broken.get_submodule(FAULTY).bias
+        )
+    return float((got - want).abs().max() / want.abs().max())
+
+
+@pytest.fixture(scope="module")
+def bert6(tmp_path_factory):
+    return build_bert6(tmp_path_factory.mktemp("bert6"))
+
+
+@pytest.fixture(scope="module")
+def bert6_fault(bert6, tmp_path_factory):
+    return with_fault(bert6, tmp_path_factory.mktemp("bert6-fault"), 1.01)[0]
+
+
+def check_fault_report(report: dict, expected: float) -> None:
+    modules = {m["module"]: m for m in report["modules"]}
+    assert [o["module"] for o in report["origins"]] == [FAULTY]
+    assert report["origins"][0]["local_error"] == pytest.approx(expected, rel=1e-4)
+    for parent in ("__root__", "encoder", "encoder.layer.3", "encoder.layer.3.output"):
+        assert modules[parent]["verdict"] == "via_child", parent
+    assert report["first_divergence"] == FAULTY
+    for layer in ("encoder.layer.4", "encoder.layer.5"):
+        assert modules[layer]["verdict"] == "inherited"
+        inside = [m for name, m in modules.items() if name.startswith(layer + ".")]
+        assert inside and all(m["verdict"] in ("inherited", "ok", "not_called") for m in inside)
+    # Layers before the fault saw nothing.
+    assert all(
+        m["verdict"] in ("ok", "not_called")
+        for name, m in modules.items()
+        if name.startswith(("encoder.layer.0", "encoder.layer.1", "encoder.layer.2"))
+    )
+    assert report["counts"]["inherited"] == len(report["inherited"]) > 0
+    assert not report["passed"]
+
+
+def test_fault_in_tiny_bert_is_the_only_origin(bert6, bert6_fault):
+    result = invoke(bert6, bert6_fault, *TEXTS, "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert report["schema"] == "modeltap.compare/1"
+    check_fault_report(report, expected_local_error(bert6, bert6_fault))
+    table = invoke(bert6, bert6_fault, *TEXTS)
+    assert table.exit_code == 1
+    lines = table.stdout.splitlines()
+    assert "1. encoder.layer.3.output.dense" in table.stdout
+    assert "first divergence: encoder.layer.3.output.dense" in table.stdout
+    assert max(len(line) for line in lines) <= 80
+
+
+@pytest.mark.slow
+def test_fault_in_minilm_is_the_only_origin(minilm_dir, tmp_path):
+    faulted, _ = with_fault(minilm_dir, tmp_path / "faulted", 1.01)
+    result = invoke(minilm_dir, faulted, *TEXTS, "--json")
+    assert result.exit_code == 1, result.output
+    check_fault_report(json.loads(result.stdout), expected_local_error(minilm_dir, faulted))
+
+
+@pytest.mark.slow
+def test_bf16_preset_passes_minilm_and_catches_a_fault(minilm_dir, tmp_path):
+    healthy = invoke(minilm_dir, *TEXTS, "--against", "bf16", "--json")
+    assert healthy.exit_code == 0, healthy.output
+    report = json.loads(healthy.stdout)
+    assert report["preset"] == "bf16" and report["passed"] and not report["origins"]
+    assert report["counts"]["replayed"] > 40
+    # +1% on one row is below bf16's own rounding on MiniLM (see configs/tolerances.toml); +10%
+    # is a fault bf16 can't explain.
+    faulted, _ = with_fault(minilm_dir, tmp_path / "faulted", 1.10)
+    result = invoke(minilm_dir, faulted, *TEXTS, "--against", "bf16", "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert report["candidate"]["dtype"] == "bfloat16"
+    assert [o["module"] for o in report["origins"]] == [FAULTY]
+
+
+def wrong_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Eager attention with a softmax at 1.5x the temperature it should have."""
+    from transformers.models.bert.modeling_bert import eager_attention_forward
+
+    return eager_attention_forward(
+        module, query, key, value, attention_mask, scaling=1.5 * scaling, **kwargs
+    )
+
+
+def test_attention_implementations(bert_dir):
+    from transformers import AttentionInterface
+
+    same = invoke(bert_dir, *TEXTS, "--against", "attn:eager", "--json")
+    assert same.exit_code == 0, same.output
+    report = json.loads(same.stdout)
+    assert report["preset"] == "fp32" and report["passed"]
+    assert report["candidate"]["variant"] == "attn:eager"
+
+    AttentionInterface.register("modeltap_test_wrong", wrong_attention)
+    wrong = invoke(bert_dir, *TEXTS, "--against", "attn:modeltap_test_wrong", "--json")
+    assert wrong.exit_code == 1, wrong.output
+    origins = {o["module"] for o in json.loads(wrong.stdout)["origins"]}
+    assert origins == {f"encoder.layer.{i}.attention.self" for i in range(2)}
+
+
+class Jitter(torch.nn.Module):
+    """A module that is not a function of its inputs: it adds a little noise on every call."""
+
+    def forward(self, x):
+        return x + 1e-3 * torch.rand_like(x)
+
+
+def test_replay_validation_flags_a_nondeterministic_module(bert_dir):
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(bert_dir).eval()
+    model.encoder.layer[1].intermediate.intermediate_act_fn = Jitter()
+    candidate = make_candidate(model, parse_against("attn:eager"), shared=True)
+    modules = select_modules(model, Selection())
+    report = compare_models(
+        model,
+        candidate,
+        Inputs((), batch(bert_dir), {}),
+        modules,
+        Path.cwd(),
+        options=Options(tolerance=Tolerance(atol=1e-5, rtol=1.3e-6)),
+    )
+    flagged = [m.name for m in report.invalid]
+    # The module itself, and every module that calls it: none reproduces its own output.
+    assert "encoder.layer.1.intermediate.intermediate_act_fn" in flagged
+    assert "encoder.layer.1" in flagged and "encoder.layer.0" not in flagged
+    assert all(name.startswith(("encoder.layer.1", "encoder", "__root__")) for name in flagged)
+    by_name = {m.name: m for m in report.modules}
+    assert by_name["encoder.layer.1.intermediate.intermediate_act_fn"].verdict == "replay_invalid"
+    assert not any(m.origin for m in report.invalid)
+    assert by_name["encoder.layer.0.output.dense"].verdict == "ok"
+
+
+def test_checkpoints_differing_in_one_layer(bert_dir, tmp_path):
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(bert_dir).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for module in model.encoder.layer[1].modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0.0, 0.02)
+    model.save_pretrained(tmp_path / "other")
+    result = invoke(bert_dir, tmp_path / "other", *TEXTS, "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    origins = [o["module"] for o in report["origins"]]
+    assert origins and all(name.startswith("encoder.layer.1.") for name in origins)
+    assert report["first_divergence"].startswith("encoder.layer.1.")
+    assert report["counts"]["inherited"] > 0  # the pooler, at least
+
+
+def test_out_dir_keeps_dumps_that_diff_reads_the_same(bert6, bert6_fault, tmp_path):
+    out = tmp_path / "run"
+    junit = tmp_path / "r.xml"
+    result = invoke(bert6, bert6_fault, *TEXTS, "--out-dir", out, "--junit", junit, "--json")
+    assert result.exit_code == 1
+    report = json.loads((out / "report.json").read_text())
+    assert report == json.loads(result.stdout)
+    again = runner.invoke(
+        app, ["diff", str(out / "candidate.safetensors"), str(out / "reference.safetensors")]
+    )
+    again_json = runner.invoke(
+        app,
+        ["diff", str(out / "candidate.safetensors"), str(out / "reference.safetensors"), "--json"]
+        + ["--preset", "fp32"],
+    )
+    assert again.exit_code == 1
+    diffed = json.loads(again_json.stdout)
+    assert diffed["first_divergence"] == report["cumulative"]["first_divergence"]
+    assert diffed["counts"]["failed"] == report["cumulative"]["counts"]["failed"]
+    xml = junit.read_text()
+    assert 'name="modeltap compare"' in xml and "module encoder.layer.3.output.dense: origin" in xml
+
+
+def test_stats_only_keeps_no_tensors(bert6, bert6_fault, tmp_path):
+    out = tmp_path / "run"
+    result = invoke(bert6, bert6_fault, *TEXTS, "--out-dir", out, "--stats-only", "--json")
+    assert result.exit_code == 1
+    assert [o["module"] for o in json.loads(result.stdout)["origins"]] == [FAULTY]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "candidate.safetensors",
+        "reference.safetensors",
+        "report.json",
+    ]
+    shown = runner.invoke(app, ["show", str(out / "candidate.safetensors")])
+    assert shown.exit_code == 0 and "statistics only" in shown.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["hello", "--against", "bf61"], "did you mean 'bf16'?"),
+        (["hello"], "'hello' was taken for the CANDIDATE model"),
+        ([], "nothing to compare with"),
+        (["--against", "bf16"], "nothing to run on"),
+        (["hello", "--against", "attn:nonsense"], "attn:nonsense can't be used"),
+        (["hello", "--against", "bf16", "--preset", "bf61"], "no tolerance preset 'bf61'"),
+    ],
+)
+def test_errors_are_one_clean_line(bert_dir, args, message):
+    result = invoke(bert_dir, *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_against_cuda(bert_dir):
+    result = invoke(bert_dir, *TEXTS, "--against", "cuda", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["candidate"]["device"].startswith("cuda")
+
+
+def test_scale_relative_tolerance():
+    """|a - b| <= atol + rtol |b| + scaled_atol max|b|, and a floor on the cosine."""
+    b = torch.tensor([100.0, 1.0, 0.0, -50.0])
+    a = b + torch.tensor([0.0, 0.5, 0.5, 0.0])  # 0.5 = 0.5% of max |b|
+    assert compare("a", "b", a, b, Tolerance(atol=0, rtol=0.01)).out_count == 2
+    assert compare("a", "b", a, b, Tolerance(atol=0, rtol=0, scaled_atol=0.006)).ok
+    tight = compare("a", "b", a, b, Tolerance(atol=0, rtol=0, scaled_atol=0.004))
+    assert tight.out_count == 2
+    assert tight.max_scaled == pytest.approx(0.5 / 100)
+    flipped = torch.tensor([-100.0, 1.0, 0.0, 50.0])
+    loose = Tolerance(atol=1e3, rtol=0)
+    cosine = float(torch.nn.functional.cosine_similarity(flipped, b, dim=0))
+    assert compare("a", "b", flipped, b, loose).ok
+    low = compare("a", "b", flipped, b, Tolerance(atol=1e3, rtol=0, min_cosine=0.99))
+    assert low.status == "differs" and low.cosine == pytest.approx(cosine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["export", "compile"])
+def test_backends_replay_at_the_depth_asked(bert6, bert6_fault, backend):
+    result = invoke(bert6, bert6_fault, *TEXTS, "--against", backend, "--depth", "3", "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert report["replay"]["depth"] == 3 and backend in report["replay"]["note"]
+    assert report["candidate"]["variant"] == backend
+    assert [o["module"] for o in report["origins"]] == ["encoder.layer.3"]
+    modules = {m["module"]: m for m in report["modules"]}
+    assert modules["encoder.layer.4"]["verdict"] == "inherited"
+    assert modules["encoder.layer.2"]["verdict"] == "ok"
+
+
+def test_backends_need_a_depth(bert_dir):
+    result = invoke(bert_dir, "hello", "--against", "export")
+    assert result.exit_code == 2
+    assert "--against export replays at one depth: give --depth N" in result.stderr
