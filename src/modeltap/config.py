@@ -68,6 +68,10 @@ class Settings:
     probes: str = "rademacher"
     vanishing: float = 1e-7
     exploding: float = 1e3
+    # big models: placement across GPUs, CPU and disk (dump, grads, ls)
+    device_map: str | None = None
+    max_memory: str | None = None
+    offload_folder: str | None = None
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}

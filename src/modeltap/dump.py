@@ -55,6 +55,8 @@ METADATA_KEYS = {
     "stats_only": "'true' when no tensor data was written",
     "dead_threshold": "threshold used for dead units",
     "grad": "JSON, with gradients: target, loss, grad_output, seed, wrt, no_path, jacobian...",
+    "devices": "JSON object: stored key -> device the tensor came from (cpu, cuda:0, ...)",
+    "device_map": "JSON object, with --device-map: module -> device accelerate placed it on",
 }
 
 _DTYPES = {

@@ -11,6 +11,7 @@ from modeltap.cli.app import app, handle_errors, settings, stderr
 from modeltap.cli.options import (
     ConfigOpt,
     DepthOpt,
+    DeviceMapOpt,
     DeviceOpt,
     DTypeOpt,
     ExcludeOpt,
@@ -19,8 +20,10 @@ from modeltap.cli.options import (
     InputFileOpt,
     JsonOpt,
     LossOpt,
+    MaxMemoryOpt,
     ModelArg,
     ModelClassOpt,
+    OffloadFolderOpt,
     OutOpt,
     ParamsOpt,
     RevisionOpt,
@@ -72,6 +75,9 @@ def dump(
     loss: LossOpt = None,
     grad_output: GradOutputOpt = None,
     params: ParamsOpt = None,
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_folder: OffloadFolderOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """Run a model on text or tensors and write every selected module's output to safetensors."""
@@ -101,6 +107,9 @@ def dump(
         loss=loss,
         grad_output=grad_output,
         params=params,
+        device_map=device_map.value if device_map else None,
+        max_memory=max_memory,
+        offload_folder=str(offload_folder) if offload_folder else None,
     )
     run_dump(s, json_out=json_out, grads=s.grads, activations=True)
 
@@ -136,10 +145,20 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
         raise InputError("nothing to run on; give TEXT or --input-file")
     path = Path(s.out) if s.out else default_out(s.model, grads_only=not activations)
     check_writable(path)
+    placement = _placement(s)
+    if placement is not None and spec is not None and spec.params:
+        # Offloaded weights are swapped in per forward: the module's own parameters never see a
+        # gradient, so parameter gradients would all read "no path".
+        raise InputError(
+            "--params can't follow weights that --device-map may offload; drop --params, "
+            "or load with --device instead"
+        )
 
     err = stderr()
     with err.status(f"loading {s.model}"):
-        loaded, inputs_, tok = _load_with_inputs(s, need_tokenizer=s.loss == "mlm")
+        loaded, inputs_, tok = _load_with_inputs(
+            s, need_tokenizer=s.loss == "mlm", placement=placement
+        )
     from modeltap.run import dump_model
     from modeltap.selection import Selection
 
@@ -167,7 +186,17 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
     err.print(f"wrote {written} ({written.stat().st_size / 1e6:.1f} MB)")
 
 
-def _load_with_inputs(s: Settings, *, need_tokenizer: bool = False) -> tuple[Any, Any, Any]:
+def _placement(s: Settings) -> Any:
+    from modeltap.loading.placement import placement
+
+    if s.device_map and s.device != "cpu":
+        raise InputError(f"give --device {s.device} or --device-map {s.device_map}, not both")
+    return placement(s.device_map, s.max_memory, s.offload_folder)
+
+
+def _load_with_inputs(
+    s: Settings, *, need_tokenizer: bool = False, placement: Any = None
+) -> tuple[Any, Any, Any]:
     import torch
 
     from modeltap.loading import (
@@ -185,6 +214,7 @@ def _load_with_inputs(s: Settings, *, need_tokenizer: bool = False) -> tuple[Any
         dtype=s.dtype,
         device=s.device,
         trust_remote_code=s.trust_remote_code,
+        placement=placement,
     )
     tok = None
     if s.texts or need_tokenizer:
@@ -196,7 +226,11 @@ def _load_with_inputs(s: Settings, *, need_tokenizer: bool = False) -> tuple[Any
 
 
 def _run_metadata(s: Settings, loaded: Any) -> dict[str, str]:
+    import json
+
     meta = {"model": s.model or "", "dtype": loaded.dtype, "device": loaded.device}
+    if loaded.device_map is not None:
+        meta["device_map"] = json.dumps({k: str(v) for k, v in loaded.device_map.items()})
     if loaded.source.revision:
         meta["revision"] = loaded.source.revision
     return meta

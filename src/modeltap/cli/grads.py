@@ -12,6 +12,7 @@ from modeltap.cli.dump import run_dump
 from modeltap.cli.options import (
     ConfigOpt,
     DepthOpt,
+    DeviceMapOpt,
     DeviceOpt,
     DTypeOpt,
     ExcludeOpt,
@@ -22,8 +23,10 @@ from modeltap.cli.options import (
     JacobianOpt,
     JsonOpt,
     LossOpt,
+    MaxMemoryOpt,
     ModelArg,
     ModelClassOpt,
+    OffloadFolderOpt,
     ParamsOpt,
     ProbesOpt,
     RevisionOpt,
@@ -72,6 +75,9 @@ def grads(
         int | None, typer.Option(help="Seed of the run and of random probes [default: 0].")
     ] = None,
     train_mode: TrainModeOpt = None,
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_folder: OffloadFolderOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """Gradients of a module's output (or a loss) w.r.t. the selected modules, in one backward."""
@@ -103,5 +109,8 @@ def grads(
         probes=probes,
         vanishing=vanishing,
         exploding=exploding,
+        device_map=device_map.value if device_map else None,
+        max_memory=max_memory,
+        offload_folder=str(offload_folder) if offload_folder else None,
     )
     run_dump(s, json_out=json_out, grads=True, activations=False)

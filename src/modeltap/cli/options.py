@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from modeltap.loading.hf import Device, DType
+from modeltap.loading.placement import DeviceMap
 
 # Options shared by several commands, defined once.
 ModelArg = Annotated[
@@ -91,4 +92,22 @@ VanishingOpt = Annotated[
 ]
 ExplodingOpt = Annotated[
     float | None, typer.Option(help="Flag gradients with a norm above this [default: 1e3].")
+]
+
+# Big models: placement by transformers/accelerate across GPUs, CPU and disk.
+DeviceMapOpt = Annotated[
+    DeviceMap | None,
+    typer.Option(
+        help="Let accelerate place the model on GPUs, then CPU, then disk (not with --device)."
+    ),
+]
+MaxMemoryOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Memory per device for --device-map, e.g. 0=20GiB,cpu=30GiB [default: what is free]."
+    ),
+]
+OffloadFolderOpt = Annotated[
+    Path | None,
+    typer.Option(help="Folder for weights offloaded to disk by --device-map."),
 ]
