@@ -159,6 +159,13 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
         loaded, inputs_, tok = _load_with_inputs(
             s, need_tokenizer=s.loss == "mlm", placement=placement
         )
+    if loaded.device_map:
+        counts: dict[str, int] = {}
+        for device in loaded.device_map.values():
+            where = f"gpu {device}" if isinstance(device, int) else str(device)
+            counts[where] = counts.get(where, 0) + 1
+        placed = ", ".join(f"{n} on {d}" for d, n in counts.items())
+        err.print(f"accelerate placed the model: {placed} (see `modeltap ls --device-map`)")
     from modeltap.run import dump_model
     from modeltap.selection import Selection
 

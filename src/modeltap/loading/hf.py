@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from enum import Enum
@@ -205,6 +206,10 @@ def load_model(
             placing.check_fits(meta, memory)
             del meta
         extra = placement.from_pretrained_kwargs()
+    # accelerate warns that offloaded weights sit on the meta device: that is the plan, not news.
+    quiet = logging.getLogger("accelerate.big_modeling")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         model = cls.from_pretrained(
             str(source.path),
@@ -224,6 +229,8 @@ def load_model(
         raise InputError(f"can't load '{name}' as {model_class_name}: {first_line(exc)}") from exc
     except (OSError, KeyError) as exc:
         raise InputError(f"can't load '{name}' as {model_class_name}: {first_line(exc)}") from exc
+    finally:
+        quiet.setLevel(level)
     if placement is None:
         model.to(target).eval()
         return Loaded(
