@@ -102,6 +102,7 @@ def test_max_memory_is_parsed_into_bytes_per_device():
     assert parse_max_memory("0=20GiB,cpu=30GiB") == {0: 20 * 2**30, "cpu": 30 * 2**30}
     assert parse_max_memory("cpu=200MB") == {"cpu": 200 * 10**6}
     assert parse_max_memory("cuda:1=1.5GB, cpu=4096") == {1: 1_500_000_000, "cpu": 4096}
+    assert parse_max_memory({0: "1KiB", "cpu": 100}) == {0: 1024, "cpu": 100}
 
 
 @pytest.mark.parametrize(
@@ -231,11 +232,12 @@ def test_hooks_coexist_with_accelerates_and_come_off(bert_dir, tmp_path):
     from accelerate.hooks import AlignDevicesHook
 
     from modeltap.loading import load_model, load_tokenizer, text_inputs
-    from modeltap.loading.placement import placement
     from modeltap.run import dump_model
 
-    where = placement("auto", f"cpu={param_bytes(bert_dir)}", tmp_path / "off")
-    loaded = load_model(str(bert_dir), placement=where)
+    budget = {"cpu": param_bytes(bert_dir)}
+    loaded = load_model(
+        str(bert_dir), device_map="auto", max_memory=budget, offload_folder=tmp_path / "off"
+    )
     model = loaded.model
     aligned = {
         n
@@ -374,9 +376,11 @@ def test_bf16_on_a_gpu_without_it_fails_before_loading(bert_dir, tmp_path, monke
         (["--device-map", "auto", "--max-memory", "cpu:1GB"], "is not DEVICE=SIZE"),
         (["--device-map", "auto", "--device", "cuda"], "not both"),
         (["--device-map", "auto", "--grads", "--params"], "drop --params"),
+        (["--config", "bad.toml"], "--device-map 'everywhere' is not one of auto, balanced"),
     ],
 )
 def test_placement_option_errors(bert_dir, tmp_path, args, message):
+    (tmp_path / "bad.toml").write_text('device_map = "everywhere"\n')
     assert_clean_error(invoke("dump", bert_dir, "hello", *args, "-o", "x.st"), message, tmp_path)
 
 

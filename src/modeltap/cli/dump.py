@@ -156,9 +156,7 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
 
     err = stderr()
     with err.status(f"loading {s.model}"):
-        loaded, inputs_, tok = _load_with_inputs(
-            s, need_tokenizer=s.loss == "mlm", placement=placement
-        )
+        loaded, inputs_, tok = _load_with_inputs(s, need_tokenizer=s.loss == "mlm")
     if loaded.device_map:
         counts: dict[str, int] = {}
         for device in loaded.device_map.values():
@@ -194,6 +192,7 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
 
 
 def _placement(s: Settings) -> Any:
+    """Placement options checked together, before any work (load_model checks them again)."""
     from modeltap.loading.placement import placement
 
     if s.device_map and s.device != "cpu":
@@ -201,9 +200,7 @@ def _placement(s: Settings) -> Any:
     return placement(s.device_map, s.max_memory, s.offload_folder)
 
 
-def _load_with_inputs(
-    s: Settings, *, need_tokenizer: bool = False, placement: Any = None
-) -> tuple[Any, Any, Any]:
+def _load_with_inputs(s: Settings, *, need_tokenizer: bool = False) -> tuple[Any, Any, Any]:
     import torch
 
     from modeltap.loading import (
@@ -221,7 +218,9 @@ def _load_with_inputs(
         dtype=s.dtype,
         device=s.device,
         trust_remote_code=s.trust_remote_code,
-        placement=placement,
+        device_map=s.device_map,
+        max_memory=s.max_memory,
+        offload_folder=s.offload_folder,
     )
     tok = None
     if s.texts or need_tokenizer:

@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING, Any
 from modeltap.errors import InputError, first_line
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from torch import nn
 
-    from modeltap.loading.placement import Placement
+    from modeltap.loading.placement import DeviceMap
 
 # Weights of other frameworks and exports that a PyTorch run never reads.
 _IGNORE_PATTERNS = [
@@ -168,12 +170,15 @@ def load_model(
     dtype: DType | str = DType.float32,
     device: Device | str = Device.cpu,
     trust_remote_code: bool = False,
-    placement: Placement | None = None,
+    device_map: DeviceMap | str | None = None,
+    max_memory: str | Mapping[int | str, int | str] | None = None,
+    offload_folder: str | os.PathLike[str] | None = None,
 ) -> Loaded:
     """Load a transformers model by Hub id or local folder, in eval mode, on the chosen device.
 
-    With a `placement`, transformers places it across GPUs, CPU and disk (accelerate underneath)
-    instead, and `device` is where its inputs go: the first module's execution device.
+    With a `device_map` ('auto', 'balanced', ...), transformers places it across GPUs, CPU and
+    disk instead (accelerate underneath), within `max_memory` ('0=20GiB,cpu=30GiB' or a mapping),
+    offloading to `offload_folder`; the returned `device` is where inputs go, the first module's.
     """
     import torch
     import transformers
@@ -185,6 +190,7 @@ def load_model(
     dtype = DType(dtype)
     # Its per-tensor "Loading weights" bar would fight our status line on stderr.
     transformers.utils.logging.disable_progress_bar()
+    placement = placing.placement(device_map, max_memory, offload_folder)
     extra: dict[str, Any] = {}
     if placement is None:
         target = pick_device(device)

@@ -53,7 +53,7 @@ class Placement:
 
 def placement(
     device_map: DeviceMap | str | None,
-    max_memory: str | None = None,
+    max_memory: str | Mapping[int | str, int | str] | None = None,
     offload_folder: str | os.PathLike[str] | None = None,
 ) -> Placement | None:
     """Check the three placement options together; None when no device map was asked for."""
@@ -62,6 +62,11 @@ def placement(
             if value:
                 raise InputError(f"{flag} is used by a device map; add --device-map auto")
         return None
+    try:
+        strategy = DeviceMap(device_map)
+    except ValueError:
+        choices = ", ".join(m.value for m in DeviceMap)
+        raise InputError(f"--device-map '{device_map}' is not one of {choices}") from None
     require_accelerate()
     folder = Path(offload_folder).expanduser() if offload_folder else None
     if folder is not None:
@@ -69,7 +74,7 @@ def placement(
     memory = parse_max_memory(max_memory) if max_memory else None
     if memory is not None:
         check_devices(memory)
-    return Placement(DeviceMap(device_map), memory, folder)
+    return Placement(strategy, memory, folder)
 
 
 def require_accelerate() -> None:
@@ -84,35 +89,49 @@ def require_accelerate() -> None:
 _SIZE = re.compile(r"^\d+(\.\d+)?\s*([KMG]i?B)?$", re.IGNORECASE)
 
 
-def parse_max_memory(text: str) -> dict[int | str, int]:
-    """`0=20GiB,cpu=30GiB` -> {0: 21474836480, 'cpu': 32212254720} (bytes, as accelerate takes)."""
-    from accelerate.utils import convert_file_size_to_int
-
+def parse_max_memory(value: str | Mapping[int | str, int | str]) -> dict[int | str, int]:
+    """`0=20GiB,cpu=30GiB` (or the same as a mapping) -> {0: 21474836480, 'cpu': 32212254720}:
+    bytes per device, as accelerate takes them."""
+    if isinstance(value, str):
+        items = []
+        for item in (part.strip() for part in value.split(",")):
+            device, sep, size = (s.strip() for s in item.partition("="))
+            if not sep or not device or not size:
+                raise InputError(
+                    f"--max-memory item '{item}' is not DEVICE=SIZE; write e.g. 0=20GiB,cpu=30GiB"
+                )
+            items.append((device, size))
+    else:
+        items = [(str(k), str(v)) for k, v in value.items()]
     memory: dict[int | str, int] = {}
-    for item in (part.strip() for part in text.split(",")):
-        device, sep, size = (s.strip() for s in item.partition("="))
-        if not sep or not device or not size:
-            raise InputError(
-                f"--max-memory item '{item}' is not DEVICE=SIZE; write e.g. 0=20GiB,cpu=30GiB"
-            )
-        key: int | str
-        device = device.lower().removeprefix("cuda:")
-        if device.isdigit():
-            key = int(device)
-        elif device == "cpu":
-            key = "cpu"
-        else:
-            raise InputError(
-                f"--max-memory device '{device}' is unknown; use a GPU index (0, 1, ...) or cpu"
-            )
+    for device, size in items:
+        key = _device_key(device)
         if key in memory:
             raise InputError(f"--max-memory gives '{device}' twice; give each device once")
-        if not _SIZE.match(size):
-            raise InputError(
-                f"--max-memory size '{size}' for {device} is not a size; write e.g. 200MB or 20GiB"
-            )
-        memory[key] = int(size) if size.isdigit() else convert_file_size_to_int(size.upper())
+        memory[key] = _size(size, device)
     return memory
+
+
+def _device_key(device: str) -> int | str:
+    name = device.lower().removeprefix("cuda:")
+    if name.isdigit():
+        return int(name)
+    if name == "cpu":
+        return "cpu"
+    raise InputError(
+        f"--max-memory device '{device}' is unknown; use a GPU index (0, 1, ...) or cpu"
+    )
+
+
+def _size(size: str, device: str) -> int:
+    from accelerate.utils import convert_file_size_to_int
+
+    size = size.replace(" ", "")
+    if not _SIZE.match(size):
+        raise InputError(
+            f"--max-memory size '{size}' for {device} is not a size; write e.g. 200MB or 20GiB"
+        )
+    return int(size) if size.isdigit() else convert_file_size_to_int(size.upper())
 
 
 def check_devices(memory: Mapping[int | str, int]) -> None:
