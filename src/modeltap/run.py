@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,27 +81,28 @@ def dump_model(
     )
     sink = _DeviceLog(writer)
     if grads is not None:
-        return _dump_with_grads(
-            model,
-            inputs,
-            sink,
-            modules,
-            grads,
-            activations=activations,
-            train_mode=train_mode,
-            seed=seed or 0,
-            mask_token_id=mask_token_id,
-            special_ids=special_ids,
-            meta={
-                **environment(),
-                "model_class": type(model).__name__,
-                "seed": str(seed),
-                "train_mode": str(train_mode).lower(),
-                **(metadata or {}),
-                "inputs": json.dumps(inputs.description),
-                "selection": json.dumps({**selection.as_dict(), "inputs": False}),
-            },
-        )
+        with _offloaded_weights_frozen(model, grads):
+            return _dump_with_grads(
+                model,
+                inputs,
+                sink,
+                modules,
+                grads,
+                activations=activations,
+                train_mode=train_mode,
+                seed=seed or 0,
+                mask_token_id=mask_token_id,
+                special_ids=special_ids,
+                meta={
+                    **environment(),
+                    "model_class": type(model).__name__,
+                    "seed": str(seed),
+                    "train_mode": str(train_mode).lower(),
+                    **(metadata or {}),
+                    "inputs": json.dumps(inputs.description),
+                    "selection": json.dumps({**selection.as_dict(), "inputs": False}),
+                },
+            )
     with writer, torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
@@ -163,6 +166,33 @@ def _dump_with_grads(
                 "devices": json.dumps(writer.devices),
             }
         )
+
+
+@contextmanager
+def _offloaded_weights_frozen(model: nn.Module, spec: GradSpec) -> Iterator[None]:
+    """Weights that accelerate swaps in per forward are fresh tensors each time, never the
+    parameters autograd is asked about: gradients would stop at them and every activation upstream
+    of the last resident weight would read "no path". Frozen, they leave each selected output to
+    start its own path, which gives the same activation gradients (and no weight gradients)."""
+    from modeltap.errors import InputError
+    from modeltap.loading.placement import offloaded
+
+    if not offloaded(model):
+        yield
+        return
+    if spec.params:
+        raise InputError(
+            "--params: accelerate swaps offloaded weights in per forward, so they never hold a "
+            "gradient; drop --params, or give --max-memory room for the whole model"
+        )
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    try:
+        for p in trainable:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
 
 
 class _DeviceLog:

@@ -145,25 +145,11 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
         raise InputError("nothing to run on; give TEXT or --input-file")
     path = Path(s.out) if s.out else default_out(s.model, grads_only=not activations)
     check_writable(path)
-    placement = _placement(s)
-    if placement is not None and spec is not None and spec.params:
-        # Offloaded weights are swapped in per forward: the module's own parameters never see a
-        # gradient, so parameter gradients would all read "no path".
-        raise InputError(
-            "--params can't follow weights that --device-map may offload; drop --params, "
-            "or load with --device instead"
-        )
+    _placement(s)
 
     err = stderr()
     with err.status(f"loading {s.model}"):
         loaded, inputs_, tok = _load_with_inputs(s, need_tokenizer=s.loss == "mlm")
-    if loaded.device_map:
-        counts: dict[str, int] = {}
-        for device in loaded.device_map.values():
-            where = f"gpu {device}" if isinstance(device, int) else str(device)
-            counts[where] = counts.get(where, 0) + 1
-        placed = ", ".join(f"{n} on {d}" for d, n in counts.items())
-        err.print(f"accelerate placed the model: {placed} (see `modeltap ls --device-map`)")
     from modeltap.run import dump_model
     from modeltap.selection import Selection
 
@@ -188,6 +174,13 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
     from modeltap.dump import load_dump
 
     print_opened(load_dump(written), json_out=json_out)
+    if loaded.device_map:
+        counts: dict[str, int] = {}
+        for device in loaded.device_map.values():
+            where = f"gpu {device}" if isinstance(device, int) else str(device)
+            counts[where] = counts.get(where, 0) + 1
+        placed = ", ".join(f"{n} on {d}" for d, n in counts.items())
+        err.print(f"accelerate placed the model: {placed} (see `modeltap ls --device-map`)")
     err.print(f"wrote {written} ({written.stat().st_size / 1e6:.1f} MB)")
 
 

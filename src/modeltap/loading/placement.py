@@ -295,6 +295,11 @@ def input_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def offloaded(model: nn.Module) -> bool:
+    """Whether accelerate swaps some of the model's weights in per forward (CPU or disk offload)."""
+    return any(getattr(getattr(m, "_hf_hook", None), "offload", False) for m in model.modules())
+
+
 def check_dtype(dtype: str, device: str) -> None:
     """Half precision the device can't compute in fails deep inside the forward: say so first."""
     import torch
