@@ -441,3 +441,21 @@ def test_cuda_with_cpu_offload_records_both_devices(bert_dir, tmp_path):
     placed = set(json.loads(dump.metadata["device_map"]).values())
     assert placed == {"0", "cpu"}
     assert re.fullmatch(r"cuda:0", dump.metadata["device"])
+
+
+def test_grads_on_an_offloaded_model_leave_it_as_it_was(bert_dir, tmp_path):
+    from modeltap.grads import GradSpec
+    from modeltap.loading import load_model, load_tokenizer, text_inputs
+    from modeltap.run import dump_model
+
+    loaded = load_model(str(bert_dir), device_map="auto", max_memory={"cpu": 60000})
+    model = loaded.model
+    before = {n: p.requires_grad for n, p in model.named_parameters()}
+    assert all(before.values())
+    inputs = text_inputs(load_tokenizer(bert_dir), TEXTS)
+    dump = load_dump(dump_model(model, inputs, tmp_path / "g.st", grads=GradSpec()))
+    assert "grad/embeddings.word_embeddings" in dump
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == before
+    with pytest.raises(InputError, match="drop --params"):
+        dump_model(model, inputs, tmp_path / "p.st", grads=GradSpec(params=True))
+    assert not (tmp_path / "p.st").exists()

@@ -185,14 +185,16 @@ def _offloaded_weights_frozen(model: nn.Module, spec: GradSpec) -> Iterator[None
             "--params: accelerate swaps offloaded weights in per forward, so they never hold a "
             "gradient; drop --params, or give --max-memory room for the whole model"
         )
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
     try:
-        for p in trainable:
+        for p in model.parameters():
             p.requires_grad_(False)
         yield
     finally:
-        for p in trainable:
-            p.requires_grad_(True)
+        # by name: accelerate puts a new Parameter (of the same requires_grad) in place each swap
+        for n, p in model.named_parameters(remove_duplicate=False):
+            if n in trainable:
+                p.requires_grad_(True)
 
 
 class _DeviceLog:
