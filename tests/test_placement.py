@@ -459,3 +459,20 @@ def test_grads_on_an_offloaded_model_leave_it_as_it_was(bert_dir, tmp_path):
     with pytest.raises(InputError, match="drop --params"):
         dump_model(model, inputs, tmp_path / "p.st", grads=GradSpec(params=True))
     assert not (tmp_path / "p.st").exists()
+
+
+def test_pickle_checkpoint_offloaded_to_disk_needs_a_folder(bert_dir, tmp_path):
+    """Weights that are not safetensors can't be read in place: transformers resaves them."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "bert-bin"
+    shutil.copytree(bert_dir, folder)
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    args = ["dump", folder, "hello", "--device-map", "auto", "--max-memory", "cpu=60000"]
+    assert_clean_error(invoke(*args, "-o", "x.st"), "give a folder with --offload-folder", tmp_path)
+    result = invoke(*args, "--offload-folder", tmp_path / "off", "-o", "x.safetensors")
+    assert result.exit_code == 0, result.output
+    assert list((tmp_path / "off").glob("encoder.layer.1.*"))
