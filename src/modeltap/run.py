@@ -81,28 +81,27 @@ def dump_model(
     )
     sink = _DeviceLog(writer)
     if grads is not None:
-        with _offloaded_weights_frozen(model, grads):
-            return _dump_with_grads(
-                model,
-                inputs,
-                sink,
-                modules,
-                grads,
-                activations=activations,
-                train_mode=train_mode,
-                seed=seed or 0,
-                mask_token_id=mask_token_id,
-                special_ids=special_ids,
-                meta={
-                    **environment(),
-                    "model_class": type(model).__name__,
-                    "seed": str(seed),
-                    "train_mode": str(train_mode).lower(),
-                    **(metadata or {}),
-                    "inputs": json.dumps(inputs.description),
-                    "selection": json.dumps({**selection.as_dict(), "inputs": False}),
-                },
-            )
+        return _dump_with_grads(
+            model,
+            inputs,
+            sink,
+            modules,
+            grads,
+            activations=activations,
+            train_mode=train_mode,
+            seed=seed or 0,
+            mask_token_id=mask_token_id,
+            special_ids=special_ids,
+            meta={
+                **environment(),
+                "model_class": type(model).__name__,
+                "seed": str(seed),
+                "train_mode": str(train_mode).lower(),
+                **(metadata or {}),
+                "inputs": json.dumps(inputs.description),
+                "selection": json.dumps({**selection.as_dict(), "inputs": False}),
+            },
+        )
     with writer, torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
@@ -142,7 +141,7 @@ def _dump_with_grads(
 ) -> Path:
     from modeltap.grads import run_grads
 
-    with writer.writer:
+    with writer.writer, _offloaded_weights_frozen(model, spec):
         result = run_grads(
             model,
             inputs,
