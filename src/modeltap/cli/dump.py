@@ -145,7 +145,10 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
         raise InputError("nothing to run on; give TEXT or --input-file")
     path = Path(s.out) if s.out else default_out(s.model, grads_only=not activations)
     check_writable(path)
-    _placement(s)
+    if _placement(s) is not None:
+        from modeltap.loading.placement import return_freed_memory
+
+        return_freed_memory()
 
     err = stderr()
     with err.status(f"loading {s.model}"):

@@ -300,6 +300,27 @@ def offloaded(model: nn.Module) -> bool:
     return any(getattr(getattr(m, "_hf_hook", None), "offload", False) for m in model.modules())
 
 
+def return_freed_memory() -> None:
+    """Let large freed blocks go back to the system (glibc only; the CLI calls it for placed runs).
+
+    glibc raises its mmap threshold after the first large free; from then on the weights that
+    accelerate swaps in for each offloaded layer come from the heap and stay with the process. On
+    bert-base with `--max-memory cpu=200MB` that added 0 to 110 MB to the peak, varying run to run.
+    A fixed threshold keeps every block above it mmapped, returned to the system when freed.
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl, ...): nothing to tune
+        return
+    m_mmap_threshold = -3  # from glibc's malloc.h
+    libc.mallopt(m_mmap_threshold, 128 * 1024)
+
+
 def check_dtype(dtype: str, device: str) -> None:
     """Half precision the device can't compute in fails deep inside the forward: say so first."""
     import torch
