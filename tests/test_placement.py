@@ -476,3 +476,20 @@ def test_pickle_checkpoint_offloaded_to_disk_needs_a_folder(bert_dir, tmp_path):
     result = invoke(*args, "--offload-folder", tmp_path / "off", "-o", "x.safetensors")
     assert result.exit_code == 0, result.output
     assert list((tmp_path / "off").glob("encoder.layer.1.*"))
+
+
+def test_inputs_go_where_accelerate_runs_the_first_module():
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from modeltap.loading.placement import input_device
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    assert input_device(model) == torch.device("cpu")
+    model[1]._hf_hook = SimpleNamespace(execution_device=1)
+    assert input_device(model) == torch.device("cuda:1")
+    model._hf_hook = SimpleNamespace(execution_device="cuda:0")  # dispatch_model's main device
+    assert input_device(model) == torch.device("cuda:0")
+    with torch.device("meta"):
+        assert input_device(nn.Linear(2, 2)) == torch.device("cpu")

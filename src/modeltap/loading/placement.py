@@ -22,8 +22,6 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-DISK = "disk"
-
 
 class DeviceMap(str, Enum):
     """transformers' placement strategies (see `from_pretrained(device_map=...)`)."""
@@ -272,23 +270,15 @@ def module_bytes(model: nn.Module, names: list[str]) -> dict[str, int]:
 
 
 def input_device(model: nn.Module) -> torch.device:
-    """Where inputs go: the execution device of the model's first module with weights.
-
-    A dispatched model carries accelerate's hooks, which know where each module runs (a CPU- or
-    disk-offloaded module runs on the main device); a model without them runs where its first
-    parameter lives.
-    """
+    """Where inputs go: the execution device of accelerate's hook on the model (or on its first
+    hooked module), which is where a dispatched model runs its first module; without hooks, where
+    the first parameter lives."""
     import torch
 
-    hook = getattr(model, "_hf_hook", None)
-    device = getattr(hook, "execution_device", None)
-    if device is not None:
-        return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
-    for _, module in model.named_modules():
-        hook = getattr(module, "_hf_hook", None)
-        device = getattr(hook, "execution_device", None)
+    for module in model.modules():  # the model itself first
+        device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
         if device is not None:
-            return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+            return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
     for param in model.parameters():
         if param.device.type != "meta":
             return param.device
