@@ -493,3 +493,31 @@ def test_inputs_go_where_accelerate_runs_the_first_module():
     assert input_device(model) == torch.device("cuda:0")
     with torch.device("meta"):
         assert input_device(nn.Linear(2, 2)) == torch.device("cpu")
+
+
+def test_ls_plan_keeps_tied_weights_together_as_loading_does(gpt2_dir, tmp_path):
+    from accelerate.utils import infer_auto_device_map
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    budget = int(param_bytes(gpt2_dir) * 0.9)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(gpt2_dir))
+    expected = dict(
+        infer_auto_device_map(
+            meta, max_memory={"cpu": budget}, no_split_module_classes=meta._no_split_modules
+        )
+    )
+    assert expected["lm_head"] == expected["transformer.wte"] == "cpu"
+    assert "disk" in expected.values()
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gpt2_dir, device_map="auto", max_memory={"cpu": budget}, offload_folder=tmp_path / "off"
+    )
+    assert dict(loaded.hf_device_map) == expected
+    result = invoke(
+        "ls", gpt2_dir, "--model-class", "AutoModelForCausalLM", "--device-map", "auto",
+        "--max-memory", f"cpu={budget}",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rows = ls_rows(result.stdout)
+    for name in expected:
+        assert rows[name][-1] == device_of(name, expected), name

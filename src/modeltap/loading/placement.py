@@ -183,11 +183,23 @@ def _device_name(device: int | str) -> str:
 def plan(model: nn.Module, p: Placement) -> dict[str, int | str]:
     """Where `from_pretrained(device_map=...)` will put each module of `model` (on meta).
 
-    The same two accelerate calls transformers makes: the balanced memory budget, then
-    `infer_auto_device_map` with the model's no-split classes.
+    The calls from_pretrained makes: the (balanced) memory budget, then `infer_auto_device_map`
+    with the model's no-split classes. transformers 5 ships its own copies of accelerate's two
+    functions (90% of the CPU when no budget is given, tied weights from the model's own list);
+    they are used where present, so `ls` shows what loading will do.
     """
-    from accelerate.utils import get_balanced_memory, get_max_memory, infer_auto_device_map
+    try:
+        from transformers.integrations.accelerate import (
+            get_balanced_memory,
+            get_max_memory,
+            infer_auto_device_map,
+        )
 
+        extra = {"no_placement_params": getattr(model, "_no_placement_params", None)}
+    except ImportError:  # transformers 4: from_pretrained calls accelerate's
+        from accelerate.utils import get_balanced_memory, get_max_memory, infer_auto_device_map
+
+        extra = {}
     no_split = list(getattr(model, "_no_split_modules", None) or [])
     memory = dict(p.max_memory) if p.max_memory is not None else None
     check_fits(model, memory, no_split)
@@ -200,7 +212,9 @@ def plan(model: nn.Module, p: Placement) -> dict[str, int | str]:
             no_split_module_classes=no_split,
             low_zero=p.device_map is DeviceMap.balanced_low_0,
         )
-    return dict(infer_auto_device_map(model, max_memory=budget, no_split_module_classes=no_split))
+    return dict(
+        infer_auto_device_map(model, max_memory=budget, no_split_module_classes=no_split, **extra)
+    )
 
 
 def check_fits(
