@@ -77,6 +77,11 @@ class Settings:
     scaled_atol: float = 0.0
     min_cosine: float | None = None
 
+    # big models: placement across GPUs, CPU and disk (dump, grads, ls)
+    device_map: str | None = None
+    max_memory: str | None = None
+    offload_folder: str | None = None
+
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 # Scalar types of each field, for checking TOML values and parsing environment variables.

@@ -66,6 +66,8 @@ METADATA_KEYS = {
     "updates": "JSON: parameter -> ||w_after - w_before|| / ||w_before|| of the step",
     "rules": "JSON list of rule hits: rule, step, rank, key, value, message",
     "tripwire": "JSON: where the first non-finite value came from (step, phase, module...)",
+    "devices": "JSON object: stored key -> device the tensor came from (cpu, cuda:0, ...)",
+    "device_map": "JSON object, with --device-map: module -> device accelerate placed it on",
 }
 
 _DTYPES = {

@@ -787,4 +787,43 @@ def compare_table(report: Any, *, show_all: bool = False, width: int = 80) -> Ta
             fmt(module.cumulative_error),
             Text(verdict.replace("_", " "), style=style),
         )
+
+
+def placement_table(
+    model: nn.Module, names: Sequence[str], devices: dict[str, str], sizes: dict[str, int]
+) -> Table:
+    """`modeltap ls --device-map`: the module tree with the device each module is planned on
+    (`a+b` when split across devices) and its parameter and buffer bytes."""
+    from modeltap.loading.placement import format_bytes
+
+    by_name = {(n or ROOT): m for n, m in model.named_modules()}
+    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
+    table.add_column("module", no_wrap=True, overflow="ellipsis")
+    table.add_column("class")
+    table.add_column("params", justify="right")
+    table.add_column("bytes", justify="right")
+    table.add_column("device")
+    for label, key in _walk(_module_tree(list(names)), None, ""):
+        module = by_name[key] if key is not None else None
+        if module is None or key is None:
+            table.add_row(label)
+            continue
+        params = sum(p.numel() for p in module.parameters())
+        device = devices.get(key, "?")
+        style = "yellow" if device == "disk" else "cyan" if "+" in device else ""
+        size = format_bytes(sizes.get(key, 0))
+        table.add_row(label, type(module).__name__, f"{params:,}", size, Text(device, style=style))
+    return table
+
+
+def device_bytes_table(per_device: dict[str, int]) -> Table:
+    """Parameter and buffer bytes planned on each device, with the total."""
+    from modeltap.loading.placement import format_bytes
+
+    table = _plain_table()
+    table.add_column("device")
+    table.add_column("bytes", justify="right")
+    for device, size in per_device.items():
+        table.add_row(Text(device, style="yellow" if device == "disk" else ""), format_bytes(size))
+    table.add_row(Text("total", style="bold"), format_bytes(sum(per_device.values())))
     return table

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,11 +79,12 @@ def dump_model(
         reserve=4096
         + _RESERVE_PER_MODULE * len(modules) * (1 + (capture_inputs or grads is not None)),
     )
+    sink = _DeviceLog(writer)
     if grads is not None:
         return _dump_with_grads(
             model,
             inputs,
-            writer,
+            sink,
             modules,
             grads,
             activations=activations,
@@ -102,7 +105,7 @@ def dump_model(
     with writer, torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
-        with hooks(model, modules, writer, inputs=capture_inputs, train_mode=train_mode) as rec:
+        with hooks(model, modules, sink, inputs=capture_inputs, train_mode=train_mode) as rec:
             with torch.no_grad():
                 run_model(model, inputs.args, inputs.kwargs)
         meta: dict[str, Any] = {
@@ -117,6 +120,7 @@ def dump_model(
             "order": json.dumps(rec.order),
             "skipped": json.dumps(rec.skipped),
             "skipped_none": str(rec.skipped_none),
+            "devices": json.dumps(sink.devices),
         }
         return writer.finish(meta)
 
@@ -124,7 +128,7 @@ def dump_model(
 def _dump_with_grads(
     model: nn.Module,
     inputs: Inputs,
-    writer: DumpWriter,
+    writer: _DeviceLog,
     modules: list[str],
     spec: GradSpec,
     *,
@@ -137,7 +141,7 @@ def _dump_with_grads(
 ) -> Path:
     from modeltap.grads import run_grads
 
-    with writer:
+    with writer.writer, _offloaded_weights_frozen(model, spec):
         result = run_grads(
             model,
             inputs,
@@ -158,5 +162,54 @@ def _dump_with_grads(
                 "order": json.dumps(result.order),
                 "skipped": json.dumps(result.skipped),
                 "skipped_none": str(result.skipped_none),
+                "devices": json.dumps(writer.devices),
             }
         )
+
+
+@contextmanager
+def _offloaded_weights_frozen(model: nn.Module, spec: GradSpec) -> Iterator[None]:
+    """Weights that accelerate swaps in per forward are fresh tensors each time, never the
+    parameters autograd is asked about: gradients would stop at them and every activation upstream
+    of the last resident weight would read "no path". Frozen, they leave each selected output to
+    start its own path, which gives the same activation gradients (and no weight gradients)."""
+    from modeltap.errors import InputError
+    from modeltap.loading.placement import offloaded
+
+    if not offloaded(model):
+        yield
+        return
+    if spec.params:
+        raise InputError(
+            "--params: accelerate swaps offloaded weights in per forward, so they never hold a "
+            "gradient; drop --params, or give --max-memory room for the whole model"
+        )
+    trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        yield
+    finally:
+        # by name: accelerate puts a new Parameter (of the same requires_grad) in place each swap
+        for n, p in model.named_parameters(remove_duplicate=False):
+            if n in trainable:
+                p.requires_grad_(True)
+
+
+class _DeviceLog:
+    """The writer, noting the device of each tensor it is given (a big model's outputs come from
+    several GPUs, or the CPU); everything else goes straight to the writer."""
+
+    def __init__(self, writer: DumpWriter) -> None:
+        self.writer = writer
+        self.devices: dict[str, str] = {}
+
+    def tensor(self, key: str, tensor: Any, **kwargs: Any) -> None:
+        self.devices[key] = str(tensor.device)
+        self.writer.tensor(key, tensor, **kwargs)
+
+    def alias(self, key: str, target: str) -> None:
+        self.writer.alias(key, target)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.writer, name)

@@ -14,6 +14,7 @@ from modeltap.cli.options import (
     SELECTION,
     ConfigOpt,
     DepthOpt,
+    DeviceMapOpt,
     DeviceOpt,
     DTypeOpt,
     ExcludeOpt,
@@ -23,8 +24,10 @@ from modeltap.cli.options import (
     JsonOpt,
     LossOpt,
     MaxLengthOpt,
+    MaxMemoryOpt,
     ModelArg,
     ModelClassOpt,
+    OffloadFolderOpt,
     OutOpt,
     ParamsOpt,
     RevisionOpt,
@@ -87,6 +90,9 @@ def dump(
     loss: LossOpt = None,
     grad_output: GradOutputOpt = None,
     params: ParamsOpt = None,
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_folder: OffloadFolderOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """Run a model on text or tensors and write every selected module's output to safetensors."""
@@ -117,6 +123,9 @@ def dump(
         loss=loss,
         grad_output=grad_output,
         params=params,
+        device_map=device_map.value if device_map else None,
+        max_memory=max_memory,
+        offload_folder=str(offload_folder) if offload_folder else None,
     )
     run_dump(s, json_out=json_out, grads=s.grads, activations=True)
 
@@ -152,6 +161,10 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
         raise InputError("nothing to run on; give TEXT or --input-file")
     path = Path(s.out) if s.out else default_out(s.model, grads_only=not activations)
     check_writable(path)
+    if _placement(s) is not None:
+        from modeltap.loading.placement import return_freed_memory
+
+        return_freed_memory()
     file_inputs_ = _check_before_loading(s)
 
     err = stderr()
@@ -183,6 +196,13 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
     from modeltap.dump import load_dump
 
     print_opened(load_dump(written), json_out=json_out)
+    if loaded.device_map:
+        counts: dict[str, int] = {}
+        for device in loaded.device_map.values():
+            where = f"gpu {device}" if isinstance(device, int) else str(device)
+            counts[where] = counts.get(where, 0) + 1
+        placed = ", ".join(f"{n} on {d}" for d, n in counts.items())
+        err.print(f"accelerate placed the model: {placed} (see `modeltap ls --device-map`)")
     err.print(f"wrote {written} ({written.stat().st_size / 1e6:.1f} MB)")
 
 
@@ -208,6 +228,15 @@ def _check_before_loading(s: Settings) -> Any:
     return inputs_
 
 
+def _placement(s: Settings) -> Any:
+    """Placement options checked together, before any work (load_model checks them again)."""
+    from modeltap.loading.placement import placement
+
+    if s.device_map and s.device != "cpu":
+        raise InputError(f"give --device {s.device} or --device-map {s.device_map}, not both")
+    return placement(s.device_map, s.max_memory, s.offload_folder)
+
+
 def _load_with_inputs(
     s: Settings, *, need_tokenizer: bool = False, file_inputs_: Any = None
 ) -> tuple[Any, Any, Any]:
@@ -229,6 +258,9 @@ def _load_with_inputs(
         dtype=s.dtype,
         device=s.device,
         trust_remote_code=s.trust_remote_code,
+        device_map=s.device_map,
+        max_memory=s.max_memory,
+        offload_folder=s.offload_folder,
     )
     tok = None
     if s.texts or need_tokenizer:
@@ -244,7 +276,11 @@ def _load_with_inputs(
 
 
 def _run_metadata(s: Settings, loaded: Any) -> dict[str, str]:
+    import json
+
     meta = {"model": s.model or "", "dtype": loaded.dtype, "device": loaded.device}
+    if loaded.device_map is not None:
+        meta["device_map"] = json.dumps({k: str(v) for k, v in loaded.device_map.items()})
     if loaded.source.revision:
         meta["revision"] = loaded.source.revision
     return meta

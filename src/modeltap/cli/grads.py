@@ -14,6 +14,7 @@ from modeltap.cli.options import (
     RUNNING,
     ConfigOpt,
     DepthOpt,
+    DeviceMapOpt,
     DeviceOpt,
     DTypeOpt,
     ExcludeOpt,
@@ -25,8 +26,10 @@ from modeltap.cli.options import (
     JsonOpt,
     LossOpt,
     MaxLengthOpt,
+    MaxMemoryOpt,
     ModelArg,
     ModelClassOpt,
+    OffloadFolderOpt,
     ParamsOpt,
     ProbesOpt,
     RevisionOpt,
@@ -87,6 +90,9 @@ def grads(
         ),
     ] = None,
     train_mode: TrainModeOpt = None,
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_folder: OffloadFolderOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """Gradients of a module's output (or a loss) w.r.t. the selected modules, in one backward."""
@@ -119,5 +125,8 @@ def grads(
         probes=probes,
         vanishing=vanishing,
         exploding=exploding,
+        device_map=device_map.value if device_map else None,
+        max_memory=max_memory,
+        offload_folder=str(offload_folder) if offload_folder else None,
     )
     run_dump(s, json_out=json_out, grads=True, activations=False)

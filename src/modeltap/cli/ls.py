@@ -6,8 +6,11 @@ from modeltap.cli.app import app, handle_errors, settings, stdout
 from modeltap.cli.options import (
     ConfigOpt,
     DepthOpt,
+    DeviceMapOpt,
+    DTypeOpt,
     ExcludeOpt,
     IncludeOpt,
+    MaxMemoryOpt,
     ModelArg,
     ModelClassOpt,
     RevisionOpt,
@@ -26,9 +29,12 @@ def list_modules(
     revision: RevisionOpt = None,
     model_class: ModelClassOpt = None,
     trust_remote_code: TrustOpt = None,
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    dtype: DTypeOpt = None,
     config: ConfigOpt = None,
 ) -> None:
-    """List a model's modules as a tree, without loading weights or running it."""
+    """List a model's modules as a tree, and where --device-map would put them; loads nothing."""
     s = settings(
         "ls",
         config,
@@ -39,18 +45,36 @@ def list_modules(
         revision=revision,
         model_class=model_class,
         trust_remote_code=trust_remote_code,
+        device_map=device_map.value if device_map else None,
+        max_memory=max_memory,
+        dtype=dtype.value if dtype else None,
     )
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
     from modeltap.loading import load_meta_model
-    from modeltap.render import module_table
+    from modeltap.loading.placement import placement
     from modeltap.selection import Selection, select_modules
 
+    planned = placement(s.device_map, s.max_memory)
     meta_model, _ = load_meta_model(
         s.model,
         revision=s.revision,
         model_class_name=s.model_class,
         trust_remote_code=s.trust_remote_code,
+        dtype=s.dtype if planned is not None else None,
     )
     names = select_modules(meta_model, Selection(s.depth, tuple(s.include), tuple(s.exclude)))
-    stdout().print(module_table(meta_model, names))
+    out = stdout()
+    if planned is None:
+        from modeltap.render import module_table
+
+        out.print(module_table(meta_model, names))
+        return
+    from modeltap.loading.placement import bytes_per_device, module_bytes, module_devices, plan
+    from modeltap.render import device_bytes_table, placement_table
+
+    device_map = plan(meta_model, planned)
+    devices = module_devices(device_map, names)
+    out.print(placement_table(meta_model, names, devices, module_bytes(meta_model, names)))
+    out.print()
+    out.print(device_bytes_table(bytes_per_device(meta_model, device_map)))

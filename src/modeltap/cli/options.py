@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from modeltap.loading.hf import Device, DType
+from modeltap.loading.placement import DeviceMap
 
 # Help panels: `--help` groups each command's options under these headings.
 INPUTS = "Inputs"
@@ -288,5 +289,32 @@ JunitOpt = Annotated[
         help="Also write JUnit XML, one test case per tensor.",
         metavar="FILE",
         rich_help_panel=OUTPUT,
+    ),
+]
+
+# Big models: placement by transformers/accelerate across GPUs, CPU and disk.
+DeviceMapOpt = Annotated[
+    DeviceMap | None,
+    typer.Option(
+        help="Let accelerate place the model on GPUs, then CPU, then disk (not with --device): "
+        "auto, balanced, balanced_low_0 or sequential.",
+        metavar="MAP",
+        rich_help_panel=LOADING,
+    ),
+]
+MaxMemoryOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Memory per device for --device-map, e.g. 0=20GiB,cpu=30GiB [default: what is free].",
+        metavar="LIMITS",
+        rich_help_panel=LOADING,
+    ),
+]
+OffloadFolderOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="Folder for weights offloaded to disk by --device-map.",
+        metavar="DIR",
+        rich_help_panel=LOADING,
     ),
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from enum import Enum
@@ -11,7 +12,11 @@ from typing import TYPE_CHECKING, Any
 from modeltap.errors import InputError, first_line
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from torch import nn
+
+    from modeltap.loading.placement import DeviceMap
 
 # Weights of other frameworks and exports that a PyTorch run never reads.
 _IGNORE_PATTERNS = [
@@ -62,6 +67,8 @@ class Loaded:
     device: str = "cpu"
     model_class: str = ""
     notes: list[str] = field(default_factory=list)
+    # Where accelerate put each module (transformers' `hf_device_map`), for a placed model.
+    device_map: dict[str, int | str] | None = None
 
 
 def looks_like_path(name: str) -> bool:
@@ -163,33 +170,87 @@ def load_model(
     dtype: DType | str = DType.float32,
     device: Device | str = Device.cpu,
     trust_remote_code: bool = False,
+    device_map: DeviceMap | str | None = None,
+    max_memory: str | Mapping[int | str, int | str] | None = None,
+    offload_folder: str | os.PathLike[str] | None = None,
 ) -> Loaded:
-    """Load a transformers model by Hub id or local folder, in eval mode, on the chosen device."""
+    """Load a transformers model by Hub id or local folder, in eval mode, on the chosen device.
+
+    With a `device_map` ('auto', 'balanced', ...), transformers places it across GPUs, CPU and
+    disk instead (accelerate underneath), within `max_memory` ('0=20GiB,cpu=30GiB' or a mapping),
+    offloading to `offload_folder`; the returned `device` is where inputs go, the first module's.
+    """
     import torch
     import transformers
+
+    from modeltap.loading import placement as placing
 
     source = resolve_model(name, revision=revision, trust_remote_code=trust_remote_code)
     cls = model_class(model_class_name)
     dtype = DType(dtype)
     # Its per-tensor "Loading weights" bar would fight our status line on stderr.
     transformers.utils.logging.disable_progress_bar()
-    target = pick_device(device)
+    placement = placing.placement(device_map, max_memory, offload_folder)
+    extra: dict[str, Any] = {}
+    if placement is None:
+        target = pick_device(device)
+        placing.check_dtype(dtype.value, target)
+    else:
+        memory = placement.max_memory
+        if torch.cuda.is_available() and (
+            memory is None or any(isinstance(k, int) for k in memory)
+        ):
+            placing.check_dtype(dtype.value, "cuda")
+        if memory is not None:
+            meta, _ = load_meta_model(
+                name,
+                revision=revision,
+                model_class_name=model_class_name,
+                trust_remote_code=trust_remote_code,
+                dtype=dtype,
+            )
+            placing.check_fits(meta, memory)
+            del meta
+        extra = placement.from_pretrained_kwargs()
+    # accelerate warns that offloaded weights sit on the meta device: that is the plan, not news.
+    quiet = logging.getLogger("accelerate.big_modeling")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         model = cls.from_pretrained(
             str(source.path),
             dtype=getattr(torch, dtype.value),
             trust_remote_code=trust_remote_code,
+            **extra,
         )
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
             raise InputError(
                 f"model '{name}' needs its own code; rerun with --trust-remote-code if you trust it"
             ) from exc
+        if "offload_folder" in str(exc) or "offload folder" in str(exc):
+            raise InputError(
+                f"the device map puts part of '{name}' on disk; give a folder with --offload-folder"
+            ) from exc
         raise InputError(f"can't load '{name}' as {model_class_name}: {first_line(exc)}") from exc
     except (OSError, KeyError) as exc:
         raise InputError(f"can't load '{name}' as {model_class_name}: {first_line(exc)}") from exc
-    model.to(target).eval()
-    return Loaded(model, source, dtype=dtype.value, device=target, model_class=type(model).__name__)
+    finally:
+        quiet.setLevel(level)
+    if placement is None:
+        model.to(target).eval()
+        return Loaded(
+            model, source, dtype=dtype.value, device=target, model_class=type(model).__name__
+        )
+    model.eval()
+    return Loaded(
+        model,
+        source,
+        dtype=dtype.value,
+        device=str(placing.input_device(model)),
+        model_class=type(model).__name__,
+        device_map=dict(getattr(model, "hf_device_map", None) or {}),
+    )
 
 
 def load_meta_model(
@@ -198,22 +259,31 @@ def load_meta_model(
     revision: str | None = None,
     model_class_name: str = "AutoModel",
     trust_remote_code: bool = False,
+    dtype: DType | str | None = None,
 ) -> tuple[nn.Module, ModelSource]:
-    """The model's module tree on the meta device: no weights read, instant for any size."""
+    """The model's module tree on the meta device: no weights read, instant for any size.
+
+    `dtype` gives the parameters the dtype loading would (their sizes matter for placement).
+    """
     import torch
     import transformers
 
     source = resolve_model(name, revision=revision, trust_remote_code=trust_remote_code)
     cls = model_class(model_class_name)
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if dtype is not None:
+        kwargs["dtype"] = getattr(torch, DType(dtype).value)
     try:
         config = transformers.AutoConfig.from_pretrained(
             str(source.path), trust_remote_code=trust_remote_code
         )
         with torch.device("meta"):
             if hasattr(cls, "from_config"):
-                model = cls.from_config(config, trust_remote_code=trust_remote_code)
+                model = cls.from_config(config, **kwargs)
             else:
                 model = cls(config)
+                if dtype is not None:
+                    model.to(kwargs["dtype"])
     except ValueError as exc:
         raise InputError(f"can't build '{name}' as {model_class_name}: {first_line(exc)}") from exc
     return model, source
