@@ -149,3 +149,16 @@ def file_inputs_from(tensors):
     from modeltap.loading import Inputs
 
     return Inputs((), tensors, {})
+
+
+def test_one_text_with_a_tokenizer_without_pad_token(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.fixtures.hf import build_gpt2
+
+    folder = build_gpt2(tmp_path / "gpt2")
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert tok.pad_token is None
+    inputs = text_inputs(tok, ["hello world"], max_length=2)
+    assert inputs.kwargs["input_ids"].tolist() == [tok("hello world")["input_ids"][:2]]
+    assert tok.pad_token is None  # nothing was padded, nothing borrowed

@@ -48,13 +48,12 @@ def text_inputs(tokenizer: Any, texts: list[str], *, max_length: int | None = No
             raise InputError("the tokenizer has no pad token to batch several texts; give one text")
         tokenizer.pad_token = tokenizer.eos_token
         notes["pad_token"] = "eos_token"
+    # One text needs no padding, and a tokenizer without a pad token (GPT-2) refuses to pad.
+    options: dict[str, Any] = {"padding": len(texts) > 1}
     if max_length is not None:
-        encoded = tokenizer(
-            list(texts), return_tensors="pt", padding=True, truncation=True, max_length=max_length
-        )
+        options.update(truncation=True, max_length=max_length)
         notes["max_length"] = max_length
-    else:
-        encoded = tokenizer(list(texts), return_tensors="pt", padding=True)
+    encoded = tokenizer(list(texts), return_tensors="pt", **options)
     kwargs = dict(encoded)
     description: dict[str, Any] = {"texts": list(texts), **notes}
     description["tensors"] = {k: list(v.shape) for k, v in kwargs.items()}
