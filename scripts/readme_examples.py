@@ -38,6 +38,27 @@ def _shape(line: str) -> list[str]:
     return ["#" if number(w) is not None else w for w in line.split()]
 
 
+def _faulted_minilm(folder: Path) -> None:
+    """`./minilm-fault` of the compare example: MiniLM with one row of one Linear scaled by 1.01."""
+    import shutil
+
+    import torch
+    from transformers import AutoModel
+
+    source = ROOT / "models" / "all-MiniLM-L6-v2"
+    model = AutoModel.from_pretrained(source)
+    with torch.no_grad():
+        model.encoder.layer[3].output.dense.weight[0] *= 1.01
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        if (source / name).is_file():
+            shutil.copy(source / name, folder / name)
+
+
+# Folders some examples name, made in the scratch folder the first time a command mentions them.
+FIXTURES = {"./minilm-fault": _faulted_minilm}
+
+
 def run(command: str, cwd: Path) -> tuple[list[str], int]:
     """Run one `modeltap ...` command in-process; (output lines, exit code)."""
     from typer.testing import CliRunner
@@ -45,6 +66,9 @@ def run(command: str, cwd: Path) -> tuple[list[str], int]:
     from modeltap.cli import app
 
     args = shlex.split(command, comments=True)[1:]
+    for name, build in FIXTURES.items():
+        if name in args and not (cwd / name).exists():
+            build(cwd / name)
     old = Path.cwd()
     os.chdir(cwd)
     try:

@@ -787,6 +787,7 @@ def compare_table(report: Any, *, show_all: bool = False, width: int = 80) -> Ta
             fmt(module.cumulative_error),
             Text(verdict.replace("_", " "), style=style),
         )
+    return table
 
 
 def placement_table(

@@ -202,7 +202,7 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
             where = f"gpu {device}" if isinstance(device, int) else str(device)
             counts[where] = counts.get(where, 0) + 1
         placed = ", ".join(f"{n} on {d}" for d, n in counts.items())
-        err.print(f"accelerate placed the model: {placed} (see `modeltap ls --device-map`)")
+        err.print(f"placed by accelerate: {placed} (`modeltap ls --device-map` lists them)")
     err.print(f"wrote {written} ({written.stat().st_size / 1e6:.1f} MB)")
 
 
