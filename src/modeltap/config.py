@@ -24,7 +24,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-COMMANDS = ("dump", "grads", "diff", "show", "ls")
+COMMANDS = ("dump", "grads", "diff", "show", "ls", "export")
 PROJECT_FILE = "modeltap.toml"
 
 
@@ -68,6 +68,12 @@ class Settings:
     probes: str = "rademacher"
     vanishing: float = 1e-7
     exploding: float = 1e3
+    # transformed models (dump --compile, .pt2 / TorchScript archives, factories; export)
+    compile: bool = False
+    compile_backend: str = "inductor"
+    fullgraph: bool = False
+    allow_pickle: bool = False
+    dynamic: bool = True
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
@@ -96,6 +102,10 @@ _TYPES: dict[str, type] = {
     "jacobian_norm": int,
     "vanishing": float,
     "exploding": float,
+    "compile": bool,
+    "fullgraph": bool,
+    "allow_pickle": bool,
+    "dynamic": bool,
 }
 
 

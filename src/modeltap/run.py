@@ -15,6 +15,7 @@ from modeltap.selection import Selection, select_modules
 if TYPE_CHECKING:
     from torch import nn
 
+    from modeltap.capture.backend import Backend
     from modeltap.grads import GradSpec
 
 # Header bytes reserved per hooked module (statistics, entry and order of a few keys each).
@@ -56,12 +57,14 @@ def dump_model(
     activations: bool = True,
     mask_token_id: int | None = None,
     special_ids: tuple[int, ...] = (),
+    backend: Backend | None = None,
 ) -> Path:
     """Run `model` on `inputs` with the selected modules hooked and stream a dump to `out`.
 
     With `grads`, the forward runs with autograd on and one backward pass adds the gradients
     (keys under `grad/`); `activations=False` then leaves the activations out (`modeltap grads`).
     Returns the path written. The file appears only if everything succeeded.
+    `backend` (capture/compile.py, ...) runs the model another way; the keys stay the eager keys.
     """
     import torch
 
@@ -99,18 +102,38 @@ def dump_model(
                 "selection": json.dumps({**selection.as_dict(), "inputs": False}),
             },
         )
+    backend_meta = {"backend": "eager"}
     with writer, torch.random.fork_rng(devices=[]):
-        if seed is not None:
-            torch.manual_seed(seed)
-        with hooks(model, modules, writer, inputs=capture_inputs, train_mode=train_mode) as rec:
-            with torch.no_grad():
-                run_model(model, inputs.args, inputs.kwargs)
+        if backend is not None:
+            done = backend.run(
+                model,
+                modules,
+                writer,
+                inputs.args,
+                inputs.kwargs,
+                inputs=capture_inputs,
+                train_mode=train_mode,
+                seed=seed,
+            )
+            rec = done.recorder
+            backend_meta = {
+                "backend": backend.name,
+                "backend_details": json.dumps(done.details),
+                "unmapped": json.dumps(done.unmapped),
+            }
+        else:
+            if seed is not None:
+                torch.manual_seed(seed)
+            with hooks(model, modules, writer, inputs=capture_inputs, train_mode=train_mode) as rec:
+                with torch.no_grad():
+                    run_model(model, inputs.args, inputs.kwargs)
         meta: dict[str, Any] = {
             "kind": "activations",
             **environment(),
             "model_class": type(model).__name__,
             "seed": str(seed),
             "train_mode": str(train_mode).lower(),
+            **backend_meta,
             **(metadata or {}),
             "inputs": json.dumps(inputs.description),
             "selection": json.dumps({**selection.as_dict(), "inputs": capture_inputs}),

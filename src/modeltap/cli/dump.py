@@ -9,11 +9,15 @@ import typer
 
 from modeltap.cli.app import app, handle_errors, settings, stderr
 from modeltap.cli.options import (
+    AllowPickleOpt,
+    CompileBackendOpt,
+    CompileOpt,
     ConfigOpt,
     DepthOpt,
     DeviceOpt,
     DTypeOpt,
     ExcludeOpt,
+    FullgraphOpt,
     GradOutputOpt,
     IncludeOpt,
     InputFileOpt,
@@ -72,6 +76,10 @@ def dump(
     loss: LossOpt = None,
     grad_output: GradOutputOpt = None,
     params: ParamsOpt = None,
+    compile: CompileOpt = None,
+    compile_backend: CompileBackendOpt = None,
+    fullgraph: FullgraphOpt = None,
+    allow_pickle: AllowPickleOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """Run a model on text or tensors and write every selected module's output to safetensors."""
@@ -101,6 +109,10 @@ def dump(
         loss=loss,
         grad_output=grad_output,
         params=params,
+        compile=compile,
+        compile_backend=compile_backend,
+        fullgraph=fullgraph,
+        allow_pickle=allow_pickle,
     )
     run_dump(s, json_out=json_out, grads=s.grads, activations=True)
 
@@ -136,6 +148,12 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
         raise InputError("nothing to run on; give TEXT or --input-file")
     path = Path(s.out) if s.out else default_out(s.model, grads_only=not activations)
     check_writable(path)
+    backend = None
+    if s.compile:
+        from modeltap.capture.compile import CompileBackend, check_backend
+
+        check_backend(s.compile_backend)
+        backend = CompileBackend(s.compile_backend, s.fullgraph)
 
     err = stderr()
     with err.status(f"loading {s.model}"):
@@ -159,6 +177,7 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
             activations=activations,
             mask_token_id=getattr(tok, "mask_token_id", None),
             special_ids=tuple(getattr(tok, "all_special_ids", ())),
+            backend=backend,
         )
     from modeltap.cli.show import print_opened
     from modeltap.dump import load_dump

@@ -11,7 +11,11 @@ from modeltap.loading.hf import Device, DType
 
 # Options shared by several commands, defined once.
 ModelArg = Annotated[
-    str | None, typer.Argument(help="Hugging Face model id or local folder with config.json.")
+    str | None,
+    typer.Argument(
+        help="Hugging Face model id or folder with config.json, a .pt2 (torch.export) or .pt "
+        "(TorchScript) archive, or pkg.module:factory."
+    ),
 ]
 ConfigOpt = Annotated[
     Path | None,
@@ -91,4 +95,25 @@ VanishingOpt = Annotated[
 ]
 ExplodingOpt = Annotated[
     float | None, typer.Option(help="Flag gradients with a norm above this [default: 1e3].")
+]
+
+# transformed models
+CompileOpt = Annotated[
+    bool | None,
+    typer.Option("--compile/--no-compile", help="Run the model through torch.compile."),
+]
+CompileBackendOpt = Annotated[
+    str | None,
+    typer.Option(help="torch.compile backend, e.g. aot_eager [default: inductor]."),
+]
+FullgraphOpt = Annotated[
+    bool | None,
+    typer.Option("--fullgraph/--no-fullgraph", help="torch.compile must make one graph."),
+]
+AllowPickleOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--allow-pickle/--no-allow-pickle",
+        help="Load a .pt2 archive that needs a full unpickle (runs its code; trusted files only).",
+    ),
 ]
