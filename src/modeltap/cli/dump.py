@@ -144,7 +144,8 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
     if s.texts and s.input_file:
         raise InputError("give TEXT or --input-file, not both")
-    if not s.texts and not s.input_file:
+    transformed = _is_transformed(s.model)
+    if not s.texts and not s.input_file and not transformed:
         raise InputError("nothing to run on; give TEXT or --input-file")
     path = Path(s.out) if s.out else default_out(s.model, grads_only=not activations)
     check_writable(path)
@@ -157,7 +158,18 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
 
     err = stderr()
     with err.status(f"loading {s.model}"):
-        loaded, inputs_, tok = _load_with_inputs(s, need_tokenizer=s.loss == "mlm")
+        if transformed:
+            loaded, inputs_, tok, transformed_backend = _load_transformed(s)
+            if transformed_backend is not None:
+                if backend is not None:
+                    raise InputError("--compile runs an nn.Module; an archive runs as it is")
+                if spec is not None:
+                    raise InputError(
+                        f"gradients need the eager model; dump '{s.model}' without --grads"
+                    )
+                backend = transformed_backend
+        else:
+            loaded, inputs_, tok = _load_with_inputs(s, need_tokenizer=s.loss == "mlm")
     from modeltap.run import dump_model
     from modeltap.selection import Selection
 
@@ -212,6 +224,105 @@ def _load_with_inputs(s: Settings, *, need_tokenizer: bool = False) -> tuple[Any
     inputs_ = text_inputs(tok, s.texts) if s.texts else file_inputs(s.input_file or "")
     inputs_ = add_decoder_inputs(loaded.model, inputs_)
     return loaded, inputs_.to(loaded.device, getattr(torch, loaded.dtype)), tok
+
+
+def _is_transformed(model: str) -> bool:
+    """A .pt2 / TorchScript archive or a `pkg.module:factory`, rather than a Hub id or folder."""
+    from modeltap.loading.archive import is_archive_path
+    from modeltap.loading.factory import is_factory
+
+    return is_archive_path(model) or is_factory(model)
+
+
+def _load_transformed(s: Settings) -> tuple[Any, Any, Any, Any]:
+    """(loaded, inputs, tokenizer, backend or None) for an archive or a factory."""
+    import torch
+
+    from modeltap.loading import ModelSource, file_inputs, load_tokenizer, text_inputs
+    from modeltap.loading.archive import ArchiveKind, archive_kind, is_archive_path
+    from modeltap.loading.hf import Loaded
+    from modeltap.loading.inputs import Inputs
+
+    model_name = s.model or ""
+    example: Inputs | None = None
+    backend: Any = None
+    if is_archive_path(model_name):
+        path = Path(model_name)
+        kind = archive_kind(path)
+        if kind is ArchiveKind.export:
+            from modeltap.capture.export import ExportBackend, module_names, skeleton
+            from modeltap.loading.archive import example_inputs, load_pt2
+
+            program = load_pt2(path, allow_pickle=s.allow_pickle)
+            model = skeleton(module_names(program))
+            backend = ExportBackend(program, source=path.name)
+            example = example_inputs(program)
+            model_class = f"ExportedProgram({_root_class(program)})"
+        else:
+            from modeltap.capture.torchscript import TorchScriptBackend, script_skeleton
+            from modeltap.loading.archive import load_torchscript
+
+            script = load_torchscript(path)
+            backend = TorchScriptBackend(script, source=path.name)
+            model = script_skeleton(script)
+            model_class = f"TorchScript({script.original_name})"
+        source = ModelSource(model_name, path.parent)
+    else:
+        from modeltap.loading.factory import load_factory
+
+        made = load_factory(model_name)
+        model, example = made.module, made.example
+        if made.graph_module:
+            from modeltap.capture.fx import FxBackend
+
+            backend = FxBackend()
+        model_class = type(model).__name__
+        source = ModelSource(model_name, Path.cwd())
+    loaded = Loaded(model, source, model_class=model_class)
+    tok = None
+    if s.texts:
+        if not s.tokenizer:
+            raise InputError(
+                f"'{model_name}' holds no tokenizer; pass --tokenizer (e.g. the model's folder) "
+                "or give tensors with --input-file"
+            )
+        tok = load_tokenizer(s.tokenizer, trust_remote_code=s.trust_remote_code)
+        inputs_ = text_inputs(tok, s.texts)
+    elif s.input_file:
+        inputs_ = file_inputs(s.input_file)
+    elif example is not None:
+        inputs_ = example
+    else:
+        raise InputError(f"'{model_name}' has no example inputs; give TEXT or --input-file")
+    if s.dtype != "float32" or s.device != "cpu":
+        raise InputError("archives and factories run on cpu in float32; drop --dtype/--device")
+    return loaded, inputs_.to("cpu", torch.float32), tok, backend
+
+
+def _module_tree(model_name: str) -> Any:
+    """The module tree of an archive or a factory's module, for `ls` (an archive's only
+    pickle-free parts are read: a .pt2 that needs pickle is refused as for dump)."""
+    from modeltap.loading.archive import ArchiveKind, archive_kind, is_archive_path
+
+    if is_archive_path(model_name):
+        path = Path(model_name)
+        if archive_kind(path) is ArchiveKind.export:
+            from modeltap.capture.export import module_names, skeleton
+            from modeltap.loading.archive import load_pt2
+
+            return skeleton(module_names(load_pt2(path)))
+        from modeltap.loading.archive import load_torchscript
+
+        return load_torchscript(path)
+    from modeltap.loading.factory import load_factory
+
+    return load_factory(model_name).module
+
+
+def _root_class(program: Any) -> str:
+    from modeltap.capture.export import module_names
+
+    return module_names(program).get("__root__", "Module")
 
 
 def _run_metadata(s: Settings, loaded: Any) -> dict[str, str]:

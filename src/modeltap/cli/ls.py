@@ -42,15 +42,19 @@ def list_modules(
     )
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
+    from modeltap.cli.dump import _is_transformed, _module_tree
     from modeltap.loading import load_meta_model
     from modeltap.render import module_table
     from modeltap.selection import Selection, select_modules
 
-    meta_model, _ = load_meta_model(
-        s.model,
-        revision=s.revision,
-        model_class_name=s.model_class,
-        trust_remote_code=s.trust_remote_code,
-    )
+    if _is_transformed(s.model):
+        meta_model = _module_tree(s.model)
+    else:
+        meta_model, _ = load_meta_model(
+            s.model,
+            revision=s.revision,
+            model_class_name=s.model_class,
+            trust_remote_code=s.trust_remote_code,
+        )
     names = select_modules(meta_model, Selection(s.depth, tuple(s.include), tuple(s.exclude)))
     stdout().print(module_table(meta_model, names))
