@@ -169,12 +169,11 @@ class TorchScriptBackend:
         torch._C._jit_pass_inline(graph)
         names = [n for n, _ in script.named_modules() if n]
         calls, unknown = _module_calls(graph, _Resolver(names))
-        has_hierarchy = any(c.module for c in calls)
-        if not has_hierarchy and names:
+        if not calls:
             raise InputError(
-                f"'{self.source}' has no module hierarchy in its graph (saved by an old torch, or "
-                "frozen/optimized); save it again with torch.jit.save from torch >= 2.1 "
-                "without torch.jit.freeze"
+                f"'{self.source}' has no module hierarchy to map its values to (frozen, or saved "
+                "by an old torch); save the module again with torch.jit.save, without "
+                "torch.jit.freeze"
             )
         selected = set(modules)
         calls = [c for c in calls if c.module in selected]

@@ -79,10 +79,10 @@ def _inputs(example: Any, spec: str) -> Inputs | None:
         example = (example,)
     if isinstance(example, dict) and all(isinstance(v, torch.Tensor) for v in example.values()):
         shapes = {k: list(v.shape) for k, v in example.items()}
-        return Inputs((), dict(example), {"example_inputs": spec, "tensors": shapes})
+        return Inputs((), dict(example), {"example_inputs": "factory", "tensors": shapes})
     if isinstance(example, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in example):
         shapes = {str(i): list(v.shape) for i, v in enumerate(example)}
-        return Inputs(tuple(example), {}, {"example_inputs": spec, "tensors": shapes})
+        return Inputs(tuple(example), {}, {"example_inputs": "factory", "tensors": shapes})
     raise InputError(
         f"the factory '{spec}' returned example inputs of type {type(example).__name__}; "
         "return a tensor, a tuple of tensors or a dict of named tensors"
