@@ -13,7 +13,7 @@ from modeltap.capture import capture
 from modeltap.capture.compile import compile_capture
 from modeltap.cli import app
 from modeltap.config import tolerance_preset
-from tests.fixtures.backends import nested, read_dump
+from tests.fixtures.backends import build_nested, nested, read_dump
 
 runner = CliRunner()
 
@@ -95,3 +95,32 @@ def test_inductor_matches_eager_within_the_compile_preset(bert_dir: Path) -> Non
     tol = tolerance_preset("compile")
     _assert_same(eager, compiled, tol["atol"], tol["rtol"])
     assert json.loads(meta["backend_details"])["compile_backend"] == "inductor"
+
+
+@pytest.mark.slow
+def test_grads_through_compile_equal_plain_autograd() -> None:
+    _dump(
+        ["tests.fixtures.backends:build_nested", "--grads", "--compile"]
+        + ["--compile-backend", "eager", "-o", "g.safetensors"]
+    )
+    got, meta = read_dump("g.safetensors")
+    details = json.loads(meta["backend_details"])
+    assert meta["backend"] == "compile" and details["graphs"] > 1  # hooks break the graph
+    assert details["graph_breaks"] == details["graphs"] - 1
+    # independent reference: d sum(output) / d (some modules' outputs), plain autograd
+    model, (x,) = build_nested()
+    outputs: dict[str, torch.Tensor] = {}
+    handles = [
+        model.get_submodule(name).register_forward_hook(
+            lambda m, a, out, name=name: outputs.__setitem__(name, out)
+        )
+        for name in ("embed", "blocks.0", "blocks.1.act", "norm")
+    ]
+    y = model(x)
+    for handle in handles:
+        handle.remove()
+    names = list(outputs)
+    grads = torch.autograd.grad(y.sum(), [outputs[n] for n in names])
+    tol = tolerance_preset("compile")
+    for name, want in zip(names, grads, strict=True):
+        torch.testing.assert_close(got[f"grad/{name}"], want, **tol, msg=name)

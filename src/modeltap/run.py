@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -101,6 +103,7 @@ def dump_model(
                 "inputs": json.dumps(inputs.description),
                 "selection": json.dumps({**selection.as_dict(), "inputs": False}),
             },
+            backend=backend,
         )
     backend_meta = {"backend": "eager"}
     with writer, torch.random.fork_rng(devices=[]):
@@ -144,6 +147,29 @@ def dump_model(
         return writer.finish(meta)
 
 
+@contextmanager
+def _grads_through(
+    backend: Backend | None, model: nn.Module
+) -> Iterator[Callable[[], dict[str, str]] | None]:
+    """Gradients through a backend that supports them (`around_grads`); yields its metadata."""
+    if backend is None:
+        yield None
+        return
+    around = getattr(backend, "around_grads", None)
+    if around is None:
+        from modeltap.errors import InputError
+
+        raise InputError(f"gradients need the eager model; dump without --grads ({backend.name})")
+    with around(model) as info:
+
+        def details() -> dict[str, str]:
+            done = {k: v for k, v in info.as_dict().items() if not k.endswith("_s")}
+            done["hooks"] = "graph-breaking (gradients)"
+            return {"backend": backend.name, "backend_details": json.dumps(done)}
+
+        yield details
+
+
 def _dump_with_grads(
     model: nn.Module,
     inputs: Inputs,
@@ -157,10 +183,11 @@ def _dump_with_grads(
     mask_token_id: int | None,
     special_ids: tuple[int, ...],
     meta: dict[str, str],
+    backend: Backend | None = None,
 ) -> Path:
     from modeltap.grads import run_grads
 
-    with writer:
+    with writer, _grads_through(backend, model) as after:
         result = run_grads(
             model,
             inputs,
@@ -181,5 +208,6 @@ def _dump_with_grads(
                 "order": json.dumps(result.order),
                 "skipped": json.dumps(result.skipped),
                 "skipped_none": str(result.skipped_none),
+                **(after() if after is not None else {"backend": "eager"}),
             }
         )

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import operator
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -412,6 +413,10 @@ class CompileBackend:
     fullgraph: bool = False
     name: str = "compile"
 
+    def around_grads(self, model: nn.Module) -> Any:
+        """The gradient run goes through `compiled_forward` (see there)."""
+        return compiled_forward(model, self.backend)
+
     def run(
         self,
         model: nn.Module,
@@ -437,3 +442,28 @@ class CompileBackend:
             seed=seed,
         )
         return BackendRun(recorder, info.as_dict(), info.unmapped, output)
+
+
+@contextmanager
+def compiled_forward(model: nn.Module, backend: str = DEFAULT_BACKEND) -> Iterator[CompileInfo]:
+    """`model.forward` compiled for the block, for runs whose hooks must act during the forward
+    (gradients: the eager hooks break the graph at each hooked module, and the graphs between
+    them run compiled). The info's graph count says how far the forward was split."""
+    import torch
+
+    check_backend(backend)
+    info = CompileInfo(backend, fullgraph=False)
+    inner = torch._dynamo.lookup_backend(backend)
+
+    def counting(gm: Any, example_inputs: Any) -> Any:
+        info.graphs += 1
+        info.graph_breaks = info.graphs - 1
+        return inner(gm, example_inputs)
+
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend=counting)  # type: ignore[method-assign]
+    try:
+        yield info
+    finally:
+        del model.forward  # the class's forward again
+        torch._dynamo.reset()
