@@ -55,6 +55,9 @@ METADATA_KEYS = {
     "stats_only": "'true' when no tensor data was written",
     "dead_threshold": "threshold used for dead units",
     "grad": "JSON, with gradients: target, loss, grad_output, seed, wrt, no_path, jacobian...",
+    "backend": "how the model ran: eager, compile, export, torchscript or fx",
+    "backend_details": "JSON: the backend's details (compile: backend, graphs, graph_breaks...)",
+    "unmapped": "JSON list: selected modules that produced no value (never called, or unmappable)",
 }
 
 _DTYPES = {

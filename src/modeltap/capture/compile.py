@@ -142,9 +142,15 @@ class CompiledCapture:
         self.close()
 
     def close(self) -> None:
+        import torch
+
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._compiled is not None:
+            # compiled code with our hooks inlined must not serve a later compile of this model
+            torch._dynamo.reset()
+            self._compiled = None
         for module, training in self._training.items():
             if module.training != training:
                 module.training = training
