@@ -10,6 +10,7 @@ Figures and targets, on a bert-base-sized BertModel (BertConfig(), seed 0), batc
   export-backend capture (.pt2 through the Interpreter, in memory) / eager capture (in memory)
                                                                           <= 1.2
   cold compile time of each compiled model (first call), reported apart from run time.
+  hooked_forward_ratio: the hooked compiled forward alone (no naming, no statistics) / plain.
 Two model instances with the same weights are compiled (one hooked, one not) with dynamo's hook
 guards on, so neither reuses the other's code; the sides alternate and medians are reported.
 """
@@ -88,13 +89,18 @@ def compile_figures(model, batch, reps: int, backend: str, folder: Path) -> dict
                 record_log(recorder, cap.log, copied=cap.copy_outputs)
                 writer.finish({"order": json.dumps(recorder.order)})
 
+        def hooked_only() -> None:
+            cap.run((), batch)
+
         t_bare, t_dump = paired(bare, dump_stats_only, reps)
+        t_bare2, t_hooked = paired(bare, hooked_only, reps)
         graphs = len(cap.graphs)
         inplace = cap.has_inplace()
     return {
         "compiled_forward_s": t_bare,
         "compiled_dump_stats_only_s": t_dump,
         "compile_ratio": t_dump / t_bare,
+        "hooked_forward_ratio": t_hooked / t_bare2,
         "graphs": graphs,
         "graph_mutates_logged_values": float(inplace),
         "cold_first_call_hooked_s": cold_hooked,

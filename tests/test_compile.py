@@ -55,9 +55,10 @@ def test_tiny_bert_compiled_dump_has_the_eager_keys_and_values(bert_dir: Path) -
 def test_reused_module_and_inplace_ops_keep_the_values_modules_returned() -> None:
     model = nested()
     x = torch.randn(2, 5, 4)
-    got, info = compile_capture(model, x, backend="aot_eager", fullgraph=True)
-    want = capture(model, x)
+    got, info = compile_capture(model, x, backend="aot_eager", fullgraph=True, inputs=True)
+    want = capture(model, x, inputs=True)
     assert got.keys() == want.keys()
+    assert "blocks.1:in.0" in want.keys()
     assert "shared@2" in got.keys()
     for key in want.keys():
         torch.testing.assert_close(got[key], want[key], atol=0, rtol=0, msg=key)
@@ -124,3 +125,32 @@ def test_grads_through_compile_equal_plain_autograd() -> None:
     tol = tolerance_preset("compile")
     for name, want in zip(names, grads, strict=True):
         torch.testing.assert_close(got[f"grad/{name}"], want, **tol, msg=name)
+
+
+def test_gpt2_without_cache_keeps_the_eager_keys(gpt2_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gpt2_dir, use_cache=False).eval()
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    got, info = compile_capture(model, input_ids=ids, backend="aot_eager", fullgraph=True)
+    want = capture(model, input_ids=ids)
+    assert set(got.keys()) == set(want.keys())
+    tol = tolerance_preset("compile")
+    for key in want.keys():
+        torch.testing.assert_close(got[key], want[key], **tol, msg=key)
+    assert info.graphs == 1
+
+
+@pytest.mark.slow
+def test_minilm_compiled_keys_and_values(minilm_dir: Path) -> None:
+    from transformers import AutoModel, AutoTokenizer
+
+    model = AutoModel.from_pretrained(minilm_dir).eval()
+    batch = dict(AutoTokenizer.from_pretrained(minilm_dir)(["hello world"], return_tensors="pt"))
+    got, info = compile_capture(model, backend="aot_eager", **batch)
+    want = capture(model, **batch)
+    assert set(got.keys()) == set(want.keys()) and len(want.keys()) == 114
+    tol = tolerance_preset("compile")
+    for key in want.keys():
+        torch.testing.assert_close(got[key], want[key], **tol, msg=key)
+    assert info.graphs == 1

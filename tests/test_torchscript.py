@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
@@ -87,3 +88,20 @@ def test_frozen_archive_without_hierarchy_is_a_one_line_error(tmp_path: Path) ->
     assert r.exit_code == 2
     assert "no module hierarchy" in r.output and "Traceback" not in r.output
     assert not Path("f.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_traced_minilm_values_equal_eager(minilm_dir: Path) -> None:
+    from transformers import AutoModel, AutoTokenizer
+
+    model = AutoModel.from_pretrained(minilm_dir).eval()
+    tok = AutoTokenizer.from_pretrained(minilm_dir)
+    batch = tok(["hello world", "a second sentence"], return_tensors="pt", padding=True)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    got, done = _ts_capture(torch.jit.trace(model, (ids, mask), strict=False), ids, mask)
+    want = capture(model, input_ids=ids, attention_mask=mask)
+    common = set(got) & set(want.keys())
+    for key in common:
+        torch.testing.assert_close(got[key], want[key], atol=0, rtol=0, msg=key)
+    # the 6 layers' attention and self-attention tuples and the encoder's ModelOutput are bare
+    assert len(set(want.keys()) - set(got)) == 13 and len(common) == 101

@@ -125,7 +125,9 @@ class CompiledCapture:
                 self._handles.append(module.register_forward_hook(self._output_hook(name, copy)))
                 if self.inputs:
                     self._handles.append(
-                        module.register_forward_pre_hook(self._input_hook(name), with_kwargs=True)
+                        module.register_forward_pre_hook(
+                            self._input_hook(name, copy), with_kwargs=True
+                        )
                     )
             # Compiled code cached for this model's forward (by an earlier compile, or before the
             # hooks changed) would run without our hooks: start from empty caches.
@@ -211,13 +213,13 @@ class CompiledCapture:
 
         return hook
 
-    def _input_hook(self, name: str) -> Callable[..., None]:
+    def _input_hook(self, name: str, copy: bool) -> Callable[..., None]:
         log = self.log
-        copy = self.copy_outputs
+        paired = self.copy_outputs  # the root's inputs come as a pair too, without the copy
 
         def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
             value = (args, kwargs)
-            log.append((name, (value, _copy(value)) if copy else value, True))
+            log.append((name, (value, _copy(value) if copy else value) if paired else value, True))
 
         return hook
 
