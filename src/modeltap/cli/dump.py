@@ -194,8 +194,33 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
     from modeltap.cli.show import print_opened
     from modeltap.dump import load_dump
 
-    print_opened(load_dump(written), json_out=json_out)
+    opened = load_dump(written)
+    print_opened(opened, json_out=json_out)
+    _print_backend(err, opened.metadata)
     err.print(f"wrote {written} ({written.stat().st_size / 1e6:.1f} MB)")
+
+
+def _print_backend(err: Any, meta: dict[str, str]) -> None:
+    """Compile time apart from run time, graph breaks and unmapped modules, on stderr."""
+    import json
+
+    details = json.loads(meta.get("backend_details") or "{}")
+    if meta.get("backend") == "compile" and "first_call_s" in details:
+        err.print(
+            f"torch.compile ({details['compile_backend']}): {details['graphs']} graph(s), "
+            f"first call (compile) {details['first_call_s']:.1f} s, run {details['run_s']:.3f} s"
+        )
+    elif meta.get("backend") == "compile":
+        err.print(f"torch.compile: {details.get('graphs')} graph(s) with gradient hooks")
+    unmapped = json.loads(meta.get("unmapped") or "[]")
+    if unmapped:
+        shown = ", ".join(unmapped[:4]) + (
+            f" and {len(unmapped) - 4} more" if len(unmapped) > 4 else ""
+        )
+        err.print(
+            f"no value from {len(unmapped)} selected module(s) (never called, or unmappable): "
+            + shown
+        )
 
 
 def _load_with_inputs(s: Settings, *, need_tokenizer: bool = False) -> tuple[Any, Any, Any]:
