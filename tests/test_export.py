@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import pickle
 import zipfile
 from pathlib import Path
 
@@ -136,7 +135,15 @@ def test_crafted_pickle_archive_is_refused_before_anything_is_unpickled(tmp_path
     assert r.exit_code == 2
     assert not marker.exists()
     assert not Path("x.safetensors").exists()
-    assert pickle  # the payload is a plain pickle reduce, as any crafted file would use
+    # no config file or environment variable can switch the check off
+    Path("modeltap.toml").write_text("allow_pickle = true\n")
+    r = runner.invoke(app, ["dump", str(bad), "-o", "x.safetensors"])
+    assert r.exit_code == 2 and not marker.exists()
+    Path("modeltap.toml").unlink()
+    # the scan is what stood in the way: with --allow-pickle torch.export.load runs the payload
+    r = runner.invoke(app, ["dump", str(bad), "--allow-pickle", "-o", "x.safetensors"])
+    assert marker.exists()
+    assert not Path("x.safetensors").exists()
 
 
 def test_use_pickle_weights_are_refused(tmp_path: Path) -> None:

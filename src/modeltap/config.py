@@ -72,7 +72,6 @@ class Settings:
     compile: bool = False
     compile_backend: str = "inductor"
     fullgraph: bool = False
-    allow_pickle: bool = False
     dynamic: bool = True
 
 
@@ -104,7 +103,6 @@ _TYPES: dict[str, type] = {
     "exploding": float,
     "compile": bool,
     "fullgraph": bool,
-    "allow_pickle": bool,
     "dynamic": bool,
 }
 

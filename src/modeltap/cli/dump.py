@@ -112,12 +112,14 @@ def dump(
         compile=compile,
         compile_backend=compile_backend,
         fullgraph=fullgraph,
-        allow_pickle=allow_pickle,
     )
-    run_dump(s, json_out=json_out, grads=s.grads, activations=True)
+    # a command-line flag only: no config file or environment may turn it on
+    run_dump(s, json_out=json_out, grads=s.grads, activations=True, allow_pickle=bool(allow_pickle))
 
 
-def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> None:
+def run_dump(
+    s: Settings, *, json_out: bool, grads: bool, activations: bool, allow_pickle: bool = False
+) -> None:
     """dump and grads: check, load, run, write, print."""
     from modeltap.dump import check_writable
     from modeltap.run import default_out
@@ -159,7 +161,7 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
     err = stderr()
     with err.status(f"loading {s.model}"):
         if transformed:
-            loaded, inputs_, tok, transformed_backend = _load_transformed(s)
+            loaded, inputs_, tok, transformed_backend = _load_transformed(s, allow_pickle)
             if transformed_backend is not None:
                 if backend is not None:
                     raise InputError("--compile runs an nn.Module; an archive runs as it is")
@@ -259,7 +261,7 @@ def _is_transformed(model: str) -> bool:
     return is_archive_path(model) or is_factory(model)
 
 
-def _load_transformed(s: Settings) -> tuple[Any, Any, Any, Any]:
+def _load_transformed(s: Settings, allow_pickle: bool = False) -> tuple[Any, Any, Any, Any]:
     """(loaded, inputs, tokenizer, backend or None) for an archive or a factory."""
     import torch
 
@@ -278,7 +280,7 @@ def _load_transformed(s: Settings) -> tuple[Any, Any, Any, Any]:
             from modeltap.capture.export import ExportBackend, module_names, skeleton
             from modeltap.loading.archive import example_inputs, load_pt2
 
-            program = load_pt2(path, allow_pickle=s.allow_pickle)
+            program = load_pt2(path, allow_pickle=allow_pickle)
             model = skeleton(module_names(program))
             backend = ExportBackend(program, source=path.name)
             example = example_inputs(program)
@@ -324,7 +326,7 @@ def _load_transformed(s: Settings) -> tuple[Any, Any, Any, Any]:
     return loaded, inputs_.to("cpu", torch.float32), tok, backend
 
 
-def _module_tree(model_name: str) -> Any:
+def _module_tree(model_name: str, allow_pickle: bool = False) -> Any:
     """The module tree of an archive or a factory's module, for `ls` (an archive's only
     pickle-free parts are read: a .pt2 that needs pickle is refused as for dump)."""
     from modeltap.loading.archive import ArchiveKind, archive_kind, is_archive_path
@@ -335,7 +337,7 @@ def _module_tree(model_name: str) -> Any:
             from modeltap.capture.export import module_names, skeleton
             from modeltap.loading.archive import load_pt2
 
-            return skeleton(module_names(load_pt2(path)))
+            return skeleton(module_names(load_pt2(path, allow_pickle=allow_pickle)))
         from modeltap.loading.archive import load_torchscript
 
         return load_torchscript(path)

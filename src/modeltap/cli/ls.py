@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from modeltap.cli.app import app, handle_errors, settings, stdout
 from modeltap.cli.options import (
+    AllowPickleOpt,
     ConfigOpt,
     DepthOpt,
     ExcludeOpt,
@@ -26,6 +27,7 @@ def list_modules(
     revision: RevisionOpt = None,
     model_class: ModelClassOpt = None,
     trust_remote_code: TrustOpt = None,
+    allow_pickle: AllowPickleOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """List a model's modules as a tree, without loading weights or running it."""
@@ -48,7 +50,7 @@ def list_modules(
     from modeltap.selection import Selection, select_modules
 
     if _is_transformed(s.model):
-        meta_model = _module_tree(s.model)
+        meta_model = _module_tree(s.model, bool(allow_pickle))
     else:
         meta_model, _ = load_meta_model(
             s.model,
