@@ -201,3 +201,15 @@ def test_minilm_exports_exactly(minilm_dir: Path, tmp_path: Path) -> None:
     want = capture(model, **batch)
     assert len(want.keys()) == 114
     _assert_exact(sink, done, want)
+
+
+def test_archive_without_preserved_signatures_maps_modules_from_their_scopes(
+    tmp_path: Path,
+) -> None:
+    model = nested()
+    x = torch.randn(2, 5, 4)
+    torch.export.save(torch.export.export(model, (x,)), tmp_path / "plain.pt2")  # made elsewhere
+    sink, done = _run(tmp_path / "plain.pt2", (x,), {})
+    want = capture(model, x)
+    _assert_exact(sink, done, want)
+    assert done.details["inferred_from_scopes"] == 11  # all modules but the root and `blocks`

@@ -10,8 +10,9 @@ argument names when a submodule's keyword matches a model input, e.g. `attention
 
 A program exported without preserved signatures (made elsewhere) still has each node's
 `nn_module_stack`: a module's output is then the value computed inside it that is used outside
-it; a module with several such values gets `:0`, `:1`... in graph order and is listed as
-unmapped, since its real output structure is unknown.
+it. A module with several such values gets `:0`, `:1`... in graph order (its real structure is
+unknown; `backend_details` lists it under `several_values_as_parts`), and a module returning
+`(tensor, None)` or a ModelOutput shows as a bare tensor.
 """
 
 from __future__ import annotations
@@ -319,6 +320,14 @@ class ExportBackend:
             wanted |= {getattr(a, "name", "") for c in calls for a in c.inputs or []}
         flat = flat_inputs(ep, args, kwargs)
         gm = ep.module()
+        # modules without a preserved signature: their output read from nn_module_stack scopes
+        inferred = []
+        if unsigned:
+            from modeltap.capture.fx import _calls as scope_calls
+
+            wanted_modules = set(unsigned) & selected
+            inferred = [c for c in scope_calls(gm) if c.module in wanted_modules]
+            wanted |= {n.name for c in inferred for n in c.escaping}
         keeper = _Keeper(gm, wanted)
         if seed is not None:
             torch.manual_seed(seed)
@@ -341,8 +350,21 @@ class ExportBackend:
             last = max((position.get(getattr(a, "name", ""), -1) for a in call.outputs), default=-1)
             return last, -call.module.count(".")  # a child returns before its parent
 
+        events: list[tuple[tuple[int, int], int, Any]] = [
+            (ends_at(c), i, c) for i, c in enumerate(calls)
+        ]
+        events += [
+            ((c.last, -c.module.count(".")), len(calls) + i, c) for i, c in enumerate(inferred)
+        ]
         recorder = Recorder(sink)
-        for call in sorted(calls, key=ends_at):
+        several: list[str] = []
+        for _, _, call in sorted(events, key=lambda e: (e[0], e[1])):
+            if not isinstance(call, _Call):  # an inferred call: the values leaving its scope
+                got = [values[n.name] for n in call.escaping]
+                if len(got) > 1:
+                    several.append(call.module)
+                recorder.record(call.module, got[0] if len(got) == 1 else tuple(got))
+                continue
             if inputs and call.inputs is not None and call.in_spec is not None:
                 leaves = [_argument_value(a, values) for a in call.inputs]
                 call_args, call_kwargs = _pytree.tree_unflatten(leaves, call.in_spec)
@@ -354,10 +376,17 @@ class ExportBackend:
         output = _output(ep, flat_out)
         if ROOT in selected:
             recorder.record(ROOT, output)
-        called = {c.module for c in calls} | {ROOT}
-        details = {"source": self.source, "graph_nodes": len(gm.graph.nodes), "run_s": seconds}
+        called = {c.module for c in calls} | {c.module for c in inferred} | {ROOT}
+        details: dict[str, Any] = {
+            "source": self.source,
+            "graph_nodes": len(gm.graph.nodes),
+            "run_s": seconds,
+        }
         if unsigned:
             details["modules_without_signature"] = len(unsigned)
+            details["inferred_from_scopes"] = len({c.module for c in inferred})
+        if several:
+            details["several_values_as_parts"] = several
         return BackendRun(recorder, details, [m for m in modules if m not in called], output)
 
 
