@@ -51,6 +51,8 @@ def test_traced_and_scripted_archives_dump_the_eager_keys_exactly(tmp_path: Path
             torch.testing.assert_close(got[key], value, atol=0, rtol=0, msg=f"{name} {key}")
         assert meta["backend"] == "torchscript"
         assert meta["unmapped"] == '["blocks"]'  # the ModuleList, never called
+        r = runner.invoke(app, ["ls", str(tmp_path / name)])
+        assert r.exit_code == 0 and "Block" in r.output and "LayerNorm" in r.output
 
 
 def test_traced_bert_matches_eager_except_structured_outputs(bert_dir: Path) -> None:

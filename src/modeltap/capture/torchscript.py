@@ -67,8 +67,16 @@ class _Resolver:
 
 
 def script_skeleton(script: Any) -> Any:
-    """The ScriptModule itself: named_modules() gives the eager names and classes."""
-    return script
+    """An empty module tree with the ScriptModule's names and original class names (a loaded
+    ScriptModule reports every module as RecursiveScriptModule)."""
+    from modeltap.capture.export import skeleton
+
+    return skeleton(
+        {
+            (n or ROOT): getattr(m, "original_name", type(m).__name__)
+            for n, m in script.named_modules()
+        }
+    )
 
 
 def _top_level(node: Any) -> Any:

@@ -338,9 +338,10 @@ def _module_tree(model_name: str, allow_pickle: bool = False) -> Any:
             from modeltap.loading.archive import load_pt2
 
             return skeleton(module_names(load_pt2(path, allow_pickle=allow_pickle)))
+        from modeltap.capture.torchscript import script_skeleton
         from modeltap.loading.archive import load_torchscript
 
-        return load_torchscript(path)
+        return script_skeleton(load_torchscript(path))
     from modeltap.loading.factory import load_factory
 
     return load_factory(model_name).module
