@@ -182,7 +182,7 @@ def test_help_does_not_import_torch():
     assert "dump" in help_run.stdout
 
 
-COMMANDS = ["dump", "grads", "show", "ls", "diff", "compare"]
+COMMANDS = ["dump", "grads", "show", "ls", "diff", "compare", "export"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -133,7 +133,7 @@ def test_recorded_statistics_equal_plain_hooks(tmp_path: Path) -> None:
     for step in (0, 2, 4):
         dump = load_dump(tmp_path / "run" / f"step{step:06d}.rank0.safetensors")
         meta = dump.metadata
-        assert (meta["step"], meta["rank"], meta["world_size"], meta["backend"]) == (
+        assert (meta["step"], meta["rank"], meta["world_size"], meta["dist_backend"]) == (
             str(step),
             "0",
             "1",
@@ -456,7 +456,7 @@ def test_ddp_ranks_write_their_own_files_with_equal_param_grads(dist_runs: Path)
         a = load_dump(run / f"step{step:06d}.rank0.safetensors")
         b = load_dump(run / f"step{step:06d}.rank1.safetensors")
         assert (a.metadata["rank"], b.metadata["rank"]) == ("0", "1")
-        assert a.metadata["world_size"] == "2" and a.metadata["backend"] == "gloo"
+        assert a.metadata["world_size"] == "2" and a.metadata["dist_backend"] == "gloo"
         for name in PARAMS:
             assert torch.equal(a["grad/" + name], b["grad/" + name])
             torch.testing.assert_close(a["grad/" + name], reference[step][name])

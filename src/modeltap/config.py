@@ -24,7 +24,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-COMMANDS = ("dump", "grads", "diff", "show", "ls", "compare")
+COMMANDS = ("dump", "grads", "diff", "show", "ls", "compare", "export")
 PROJECT_FILE = "modeltap.toml"
 
 
@@ -82,6 +82,12 @@ class Settings:
     max_memory: str | None = None
     offload_folder: str | None = None
 
+    # transformed models (dump --compile, .pt2 / TorchScript archives, factories; export)
+    compile: bool = False
+    compile_backend: str = "inductor"
+    fullgraph: bool = False
+    dynamic: bool = True
+
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 # Scalar types of each field, for checking TOML values and parsing environment variables.
@@ -113,6 +119,9 @@ _TYPES: dict[str, type] = {
     "use_cache": bool,
     "scaled_atol": float,
     "min_cosine": float,
+    "compile": bool,
+    "fullgraph": bool,
+    "dynamic": bool,
 }
 
 

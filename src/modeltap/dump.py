@@ -60,7 +60,7 @@ METADATA_KEYS = {
     "step": "training step the file records",
     "rank": "torch.distributed rank that wrote it (0 without a process group)",
     "world_size": "number of ranks (1 without a process group)",
-    "backend": "process group backend (gloo, nccl...) or 'none'",
+    "dist_backend": "process group backend (gloo, nccl...) or 'none'",
     "record": "JSON: every, full_every, grads, params, gather, on_nonfinite, not_run",
     "placements": "JSON: key -> placements, global_shape, mesh, local_shape of a sharded tensor",
     "updates": "JSON: parameter -> ||w_after - w_before|| / ||w_before|| of the step",
@@ -68,6 +68,9 @@ METADATA_KEYS = {
     "tripwire": "JSON: where the first non-finite value came from (step, phase, module...)",
     "devices": "JSON object: stored key -> device the tensor came from (cpu, cuda:0, ...)",
     "device_map": "JSON object, with --device-map: module -> device accelerate placed it on",
+    "backend": "how the model ran: eager, compile, export, torchscript or fx",
+    "backend_details": "JSON: the backend's details (compile: backend, graphs, graph_breaks...)",
+    "unmapped": "JSON list: selected modules that produced no value (never called, or unmappable)",
 }
 
 _DTYPES = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +17,7 @@ from modeltap.selection import Selection, select_modules
 if TYPE_CHECKING:
     from torch import nn
 
+    from modeltap.capture.backend import Backend
     from modeltap.grads import GradSpec
 
 # Header bytes reserved per hooked module (statistics, entry and order of a few keys each).
@@ -58,12 +59,14 @@ def dump_model(
     activations: bool = True,
     mask_token_id: int | None = None,
     special_ids: tuple[int, ...] = (),
+    backend: Backend | None = None,
 ) -> Path:
     """Run `model` on `inputs` with the selected modules hooked and stream a dump to `out`.
 
     With `grads`, the forward runs with autograd on and one backward pass adds the gradients
     (keys under `grad/`); `activations=False` then leaves the activations out (`modeltap grads`).
     Returns the path written. The file appears only if everything succeeded.
+    `backend` (capture/compile.py, ...) runs the model another way; the keys stay the eager keys.
     """
     import torch
 
@@ -101,19 +104,40 @@ def dump_model(
                 "inputs": json.dumps(inputs.description),
                 "selection": json.dumps({**selection.as_dict(), "inputs": False}),
             },
+            backend=backend,
         )
+    backend_meta = {"backend": "eager"}
     with writer, torch.random.fork_rng(devices=[]):
-        if seed is not None:
-            torch.manual_seed(seed)
-        with hooks(model, modules, sink, inputs=capture_inputs, train_mode=train_mode) as rec:
-            with torch.no_grad():
-                run_model(model, inputs.args, inputs.kwargs)
+        if backend is not None:
+            done = backend.run(
+                model,
+                modules,
+                sink,
+                inputs.args,
+                inputs.kwargs,
+                inputs=capture_inputs,
+                train_mode=train_mode,
+                seed=seed,
+            )
+            rec = done.recorder
+            backend_meta = {
+                "backend": backend.name,
+                "backend_details": json.dumps(done.details),
+                "unmapped": json.dumps(done.unmapped),
+            }
+        else:
+            if seed is not None:
+                torch.manual_seed(seed)
+            with hooks(model, modules, sink, inputs=capture_inputs, train_mode=train_mode) as rec:
+                with torch.no_grad():
+                    run_model(model, inputs.args, inputs.kwargs)
         meta: dict[str, Any] = {
             "kind": "activations",
             **environment(),
             "model_class": type(model).__name__,
             "seed": str(seed),
             "train_mode": str(train_mode).lower(),
+            **backend_meta,
             **(metadata or {}),
             "inputs": json.dumps(inputs.description),
             "selection": json.dumps({**selection.as_dict(), "inputs": capture_inputs}),
@@ -123,6 +147,29 @@ def dump_model(
             "devices": json.dumps(sink.devices),
         }
         return writer.finish(meta)
+
+
+@contextmanager
+def _grads_through(
+    backend: Backend | None, model: nn.Module
+) -> Iterator[Callable[[], dict[str, str]] | None]:
+    """Gradients through a backend that supports them (`around_grads`); yields its metadata."""
+    if backend is None:
+        yield None
+        return
+    around = getattr(backend, "around_grads", None)
+    if around is None:
+        from modeltap.errors import InputError
+
+        raise InputError(f"gradients need the eager model; dump without --grads ({backend.name})")
+    with around(model) as info:
+
+        def details() -> dict[str, str]:
+            done = {k: v for k, v in info.as_dict().items() if not k.endswith("_s")}
+            done["hooks"] = "graph-breaking (gradients)"
+            return {"backend": backend.name, "backend_details": json.dumps(done)}
+
+        yield details
 
 
 def _dump_with_grads(
@@ -138,10 +185,15 @@ def _dump_with_grads(
     mask_token_id: int | None,
     special_ids: tuple[int, ...],
     meta: dict[str, str],
+    backend: Backend | None = None,
 ) -> Path:
     from modeltap.grads import run_grads
 
-    with writer.writer, _offloaded_weights_frozen(model, spec):
+    with (
+        writer.writer,
+        _offloaded_weights_frozen(model, spec),
+        _grads_through(backend, model) as after,
+    ):
         result = run_grads(
             model,
             inputs,
@@ -163,6 +215,7 @@ def _dump_with_grads(
                 "skipped": json.dumps(result.skipped),
                 "skipped_none": str(result.skipped_none),
                 "devices": json.dumps(writer.devices),
+                **(after() if after is not None else {"backend": "eager"}),
             }
         )
 

@@ -12,12 +12,16 @@ from modeltap.cli.options import (
     GRADIENTS,
     OUTPUT,
     SELECTION,
+    AllowPickleOpt,
+    CompileBackendOpt,
+    CompileOpt,
     ConfigOpt,
     DepthOpt,
     DeviceMapOpt,
     DeviceOpt,
     DTypeOpt,
     ExcludeOpt,
+    FullgraphOpt,
     GradOutputOpt,
     IncludeOpt,
     InputFileOpt,
@@ -93,6 +97,10 @@ def dump(
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
     offload_folder: OffloadFolderOpt = None,
+    compile: CompileOpt = None,
+    compile_backend: CompileBackendOpt = None,
+    fullgraph: FullgraphOpt = None,
+    allow_pickle: AllowPickleOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """Run a model on text or tensors and write every selected module's output to safetensors."""
@@ -126,11 +134,17 @@ def dump(
         device_map=device_map.value if device_map else None,
         max_memory=max_memory,
         offload_folder=str(offload_folder) if offload_folder else None,
+        compile=compile,
+        compile_backend=compile_backend,
+        fullgraph=fullgraph,
     )
-    run_dump(s, json_out=json_out, grads=s.grads, activations=True)
+    # a command-line flag only: no config file or environment may turn it on
+    run_dump(s, json_out=json_out, grads=s.grads, activations=True, allow_pickle=bool(allow_pickle))
 
 
-def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> None:
+def run_dump(
+    s: Settings, *, json_out: bool, grads: bool, activations: bool, allow_pickle: bool = False
+) -> None:
     """dump and grads: check, load, run, write, print."""
     from modeltap.dump import check_writable
     from modeltap.run import default_out
@@ -157,7 +171,8 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
     if s.texts and s.input_file:
         raise InputError("give TEXT or --input-file, not both")
-    if not s.texts and not s.input_file:
+    transformed = _is_transformed(s.model)
+    if not s.texts and not s.input_file and not transformed:
         raise InputError("nothing to run on; give TEXT or --input-file")
     path = Path(s.out) if s.out else default_out(s.model, grads_only=not activations)
     check_writable(path)
@@ -165,13 +180,31 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
         from modeltap.loading.placement import return_freed_memory
 
         return_freed_memory()
-    file_inputs_ = _check_before_loading(s)
+    backend = None
+    if s.compile:
+        from modeltap.capture.compile import CompileBackend, check_backend
+
+        check_backend(s.compile_backend)
+        backend = CompileBackend(s.compile_backend, s.fullgraph)
+
+    file_inputs_ = None if transformed else _check_before_loading(s)
 
     err = stderr()
     with err.status(f"loading {s.model}"):
-        loaded, inputs_, tok = _load_with_inputs(
-            s, need_tokenizer=s.loss == "mlm", file_inputs_=file_inputs_
-        )
+        if transformed:
+            loaded, inputs_, tok, transformed_backend = _load_transformed(s, allow_pickle)
+            if transformed_backend is not None:
+                if backend is not None:
+                    raise InputError("--compile runs an nn.Module; an archive runs as it is")
+                if spec is not None:
+                    raise InputError(
+                        f"gradients need the eager model; dump '{s.model}' without --grads"
+                    )
+                backend = transformed_backend
+        else:
+            loaded, inputs_, tok = _load_with_inputs(
+                s, need_tokenizer=s.loss == "mlm", file_inputs_=file_inputs_
+            )
     from modeltap.run import dump_model
     from modeltap.selection import Selection
 
@@ -191,12 +224,15 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
             activations=activations,
             mask_token_id=getattr(tok, "mask_token_id", None),
             special_ids=tuple(getattr(tok, "all_special_ids", ())),
+            backend=backend,
         )
     from modeltap.cli.show import print_opened
     from modeltap.dump import load_dump
 
-    print_opened(load_dump(written), json_out=json_out)
-    if loaded.device_map:
+    opened = load_dump(written)
+    print_opened(opened, json_out=json_out)
+    _print_backend(err, opened.metadata)
+    if getattr(loaded, "device_map", None):
         counts: dict[str, int] = {}
         for device in loaded.device_map.values():
             where = f"gpu {device}" if isinstance(device, int) else str(device)
@@ -204,6 +240,29 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
         placed = ", ".join(f"{n} on {d}" for d, n in counts.items())
         err.print(f"placed by accelerate: {placed} (`modeltap ls --device-map` lists them)")
     err.print(f"wrote {written} ({written.stat().st_size / 1e6:.1f} MB)")
+
+
+def _print_backend(err: Any, meta: dict[str, str]) -> None:
+    """Compile time apart from run time, graph breaks and unmapped modules, on stderr."""
+    import json
+
+    details = json.loads(meta.get("backend_details") or "{}")
+    if meta.get("backend") == "compile" and "first_call_s" in details:
+        err.print(
+            f"torch.compile ({details['compile_backend']}): {details['graphs']} graph(s), "
+            f"first call (compile) {details['first_call_s']:.1f} s, run {details['run_s']:.3f} s"
+        )
+    elif meta.get("backend") == "compile":
+        err.print(f"torch.compile: {details.get('graphs')} graph(s) with gradient hooks")
+    unmapped = json.loads(meta.get("unmapped") or "[]")
+    if unmapped:
+        shown = ", ".join(unmapped[:4]) + (
+            f" and {len(unmapped) - 4} more" if len(unmapped) > 4 else ""
+        )
+        err.print(
+            f"no value from {len(unmapped)} selected module(s) (never called, or unmappable): "
+            + shown
+        )
 
 
 def _check_before_loading(s: Settings) -> Any:
@@ -273,6 +332,106 @@ def _load_with_inputs(
     check_length(loaded.model, inputs_)
     inputs_ = add_decoder_inputs(loaded.model, inputs_)
     return loaded, inputs_.to(loaded.device, getattr(torch, loaded.dtype)), tok
+
+
+def _is_transformed(model: str) -> bool:
+    """A .pt2 / TorchScript archive or a `pkg.module:factory`, rather than a Hub id or folder."""
+    from modeltap.loading.archive import is_archive_path
+    from modeltap.loading.factory import is_factory
+
+    return is_archive_path(model) or is_factory(model)
+
+
+def _load_transformed(s: Settings, allow_pickle: bool = False) -> tuple[Any, Any, Any, Any]:
+    """(loaded, inputs, tokenizer, backend or None) for an archive or a factory."""
+    import torch
+
+    from modeltap.loading import ModelSource, file_inputs, load_tokenizer, text_inputs
+    from modeltap.loading.archive import ArchiveKind, archive_kind, is_archive_path
+    from modeltap.loading.hf import Loaded
+    from modeltap.loading.inputs import Inputs
+
+    model_name = s.model or ""
+    example: Inputs | None = None
+    backend: Any = None
+    if is_archive_path(model_name):
+        path = Path(model_name)
+        kind = archive_kind(path)
+        if kind is ArchiveKind.export:
+            from modeltap.capture.export import ExportBackend, module_names, skeleton
+            from modeltap.loading.archive import example_inputs, load_pt2
+
+            program = load_pt2(path, allow_pickle=allow_pickle)
+            model = skeleton(module_names(program))
+            backend = ExportBackend(program, source=path.name)
+            example = example_inputs(program)
+            model_class = f"ExportedProgram({_root_class(program)})"
+        else:
+            from modeltap.capture.torchscript import TorchScriptBackend, script_skeleton
+            from modeltap.loading.archive import load_torchscript
+
+            script = load_torchscript(path)
+            backend = TorchScriptBackend(script, source=path.name)
+            model = script_skeleton(script)
+            model_class = f"TorchScript({script.original_name})"
+        source = ModelSource(model_name, path.parent)
+    else:
+        from modeltap.loading.factory import load_factory
+
+        made = load_factory(model_name)
+        model, example = made.module, made.example
+        if made.graph_module:
+            from modeltap.capture.fx import FxBackend
+
+            backend = FxBackend()
+        model_class = type(model).__name__
+        source = ModelSource(model_name, Path.cwd())
+    loaded = Loaded(model, source, model_class=model_class)
+    tok = None
+    if s.texts:
+        if not s.tokenizer:
+            raise InputError(
+                f"'{model_name}' holds no tokenizer; pass --tokenizer (e.g. the model's folder) "
+                "or give tensors with --input-file"
+            )
+        tok = load_tokenizer(s.tokenizer, trust_remote_code=s.trust_remote_code)
+        inputs_ = text_inputs(tok, s.texts)
+    elif s.input_file:
+        inputs_ = file_inputs(s.input_file)
+    elif example is not None:
+        inputs_ = example
+    else:
+        raise InputError(f"'{model_name}' has no example inputs; give TEXT or --input-file")
+    if s.dtype != "float32" or s.device != "cpu":
+        raise InputError("archives and factories run on cpu in float32; drop --dtype/--device")
+    return loaded, inputs_.to("cpu", torch.float32), tok, backend
+
+
+def _module_tree(model_name: str, allow_pickle: bool = False) -> Any:
+    """The module tree of an archive or a factory's module, for `ls` (an archive's only
+    pickle-free parts are read: a .pt2 that needs pickle is refused as for dump)."""
+    from modeltap.loading.archive import ArchiveKind, archive_kind, is_archive_path
+
+    if is_archive_path(model_name):
+        path = Path(model_name)
+        if archive_kind(path) is ArchiveKind.export:
+            from modeltap.capture.export import module_names, skeleton
+            from modeltap.loading.archive import load_pt2
+
+            return skeleton(module_names(load_pt2(path, allow_pickle=allow_pickle)))
+        from modeltap.capture.torchscript import script_skeleton
+        from modeltap.loading.archive import load_torchscript
+
+        return script_skeleton(load_torchscript(path))
+    from modeltap.loading.factory import load_factory
+
+    return load_factory(model_name).module
+
+
+def _root_class(program: Any) -> str:
+    from modeltap.capture.export import module_names
+
+    return module_names(program).get("__root__", "Module")
 
 
 def _run_metadata(s: Settings, loaded: Any) -> dict[str, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from modeltap.cli.app import app, handle_errors, settings, stdout
 from modeltap.cli.options import (
+    AllowPickleOpt,
     ConfigOpt,
     DepthOpt,
     DeviceMapOpt,
@@ -32,6 +33,7 @@ def list_modules(
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
     dtype: DTypeOpt = None,
+    allow_pickle: AllowPickleOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """List a model's modules as a tree, and where --device-map would put them; loads nothing."""
@@ -51,18 +53,24 @@ def list_modules(
     )
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
+    from modeltap.cli.dump import _is_transformed, _module_tree
     from modeltap.loading import load_meta_model
     from modeltap.loading.placement import placement
     from modeltap.selection import Selection, select_modules
 
     planned = placement(s.device_map, s.max_memory)
-    meta_model, _ = load_meta_model(
-        s.model,
-        revision=s.revision,
-        model_class_name=s.model_class,
-        trust_remote_code=s.trust_remote_code,
-        dtype=s.dtype if planned is not None else None,
-    )
+    if _is_transformed(s.model):
+        if planned is not None:
+            raise InputError("--device-map is for Hugging Face models; an archive loads on the CPU")
+        meta_model = _module_tree(s.model, bool(allow_pickle))
+    else:
+        meta_model, _ = load_meta_model(
+            s.model,
+            revision=s.revision,
+            model_class_name=s.model_class,
+            trust_remote_code=s.trust_remote_code,
+            dtype=s.dtype if planned is not None else None,
+        )
     names = select_modules(meta_model, Selection(s.depth, tuple(s.include), tuple(s.exclude)))
     out = stdout()
     if planned is None:

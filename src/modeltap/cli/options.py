@@ -23,7 +23,11 @@ KEYS = "Keys"
 # Options shared by several commands, defined once.
 ModelArg = Annotated[
     str | None,
-    typer.Argument(help="Hugging Face model id or local folder with config.json.", metavar="MODEL"),
+    typer.Argument(
+        help="Hugging Face model id or folder with config.json, a .pt2 (torch.export) or .pt "
+        "(TorchScript) archive, or pkg.module:factory.",
+        metavar="MODEL",
+    ),
 ]
 ConfigOpt = Annotated[
     Path | None,
@@ -315,6 +319,40 @@ OffloadFolderOpt = Annotated[
     typer.Option(
         help="Folder for weights offloaded to disk by --device-map.",
         metavar="DIR",
+        rich_help_panel=LOADING,
+    ),
+]
+
+# transformed models
+CompileOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--compile/--no-compile",
+        help="Run the model through torch.compile.",
+        rich_help_panel=RUNNING,
+    ),
+]
+CompileBackendOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="torch.compile backend, e.g. aot_eager [default: inductor].",
+        metavar="NAME",
+        rich_help_panel=RUNNING,
+    ),
+]
+FullgraphOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--fullgraph/--no-fullgraph",
+        help="torch.compile must make one graph.",
+        rich_help_panel=RUNNING,
+    ),
+]
+AllowPickleOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--allow-pickle/--no-allow-pickle",
+        help="Load a .pt2 archive that needs a full unpickle (runs its code; trusted files only).",
         rich_help_panel=LOADING,
     ),
 ]

@@ -451,7 +451,7 @@ class Recording:
             "step": str(self.step_index),
             "rank": str(self.rank.rank),
             "world_size": str(self.rank.world_size),
-            "backend": self.rank.backend,
+            "dist_backend": self.rank.backend,
         }
 
     def _metadata(

@@ -1,0 +1,169 @@
+"""Performance figures of issue #8 (transformed models), as ratios taken in one process.
+
+    .venv/bin/python scripts/bench_backends.py            # bert-base 8 x 128 (cold inductor
+                                                          # compiles: several minutes on 2 cores)
+    .venv/bin/python scripts/bench_backends.py --layers 2 --reps 3   # a quick check of the script
+
+Figures and targets, on a bert-base-sized BertModel (BertConfig(), seed 0), batch 8 x 128:
+  compiled capture (the `dump --compile --stats-only` forward: hooked compiled forward, naming,
+  statistics) / compiled forward without hooks, both after warm-up        <= 1.1, graphs = 1
+  export-backend capture (.pt2 through the Interpreter, in memory) / eager capture (in memory)
+                                                                          <= 1.2
+  cold compile time of each compiled model (first call), reported apart from run time.
+  hooked_forward_ratio: the hooked compiled forward alone (no naming, no statistics) / plain.
+Two model instances with the same weights are compiled (one hooked, one not) with dynamo's hook
+guards on, so neither reuses the other's code; the sides alternate and medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bert_base(layers: int | None):
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig() if layers is None else BertConfig(num_hidden_layers=layers)
+    model = BertModel(config).eval()
+    ids = torch.randint(
+        0, model.config.vocab_size, (8, 128), generator=torch.Generator().manual_seed(0)
+    )
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def paired(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[float, float]:
+    """Median seconds of a() and b(), alternating, after one warm-up each."""
+    a(), b()
+    ta, tb = [], []
+    for _ in range(reps):
+        for f, out in ((a, ta), (b, tb)):
+            start = time.perf_counter()
+            f()
+            out.append(time.perf_counter() - start)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def timed(f: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    f()
+    return time.perf_counter() - start
+
+
+def compile_figures(model, batch, reps: int, backend: str, folder: Path) -> dict[str, float]:
+    import torch
+
+    from modeltap.capture.compile import CompiledCapture, record_log
+    from modeltap.capture.recorder import Recorder
+    from modeltap.dump import DumpWriter
+    from modeltap.selection import Selection, select_modules
+
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+    plain_model = copy.deepcopy(model)
+    names = select_modules(model, Selection())
+    with CompiledCapture(model, names, backend=backend) as cap:
+        plain = torch.compile(plain_model, backend=backend)
+        cold_hooked = timed(lambda: cap.run((), batch))
+        with torch.no_grad():
+            cold_plain = timed(lambda: plain(**batch))
+
+        def bare() -> None:
+            with torch.no_grad():
+                plain(**batch)
+
+        def dump_stats_only() -> None:
+            cap.run((), batch)
+            with DumpWriter(folder / "c.safetensors", stats_only=True) as writer:
+                recorder = Recorder(writer)
+                record_log(recorder, cap.log, copied=cap.copy_outputs)
+                writer.finish({"order": json.dumps(recorder.order)})
+
+        def hooked_only() -> None:
+            cap.run((), batch)
+
+        t_bare, t_dump = paired(bare, dump_stats_only, reps)
+        t_bare2, t_hooked = paired(bare, hooked_only, reps)
+        graphs = len(cap.graphs)
+        inplace = cap.has_inplace()
+    return {
+        "compiled_forward_s": t_bare,
+        "compiled_dump_stats_only_s": t_dump,
+        "compile_ratio": t_dump / t_bare,
+        "hooked_forward_ratio": t_hooked / t_bare2,
+        "graphs": graphs,
+        "graph_mutates_logged_values": float(inplace),
+        "cold_first_call_hooked_s": cold_hooked,
+        "cold_first_call_plain_s": cold_plain,
+    }
+
+
+def export_figures(model, batch, reps: int, folder: Path) -> dict[str, float]:
+    import torch
+
+    from modeltap.capture import MemorySink, capture
+    from modeltap.capture.export import ExportBackend, export_program, module_names, skeleton
+    from modeltap.loading.archive import load_pt2
+
+    start = time.perf_counter()
+    torch.export.save(export_program(model, (), batch), folder / "m.pt2")
+    export_s = time.perf_counter() - start
+    program = load_pt2(folder / "m.pt2")
+    tree = skeleton(module_names(program))
+    names = [n or "__root__" for n, _ in tree.named_modules()]
+    backend = ExportBackend(program)
+
+    def eager() -> None:
+        capture(model, **batch)
+
+    def exported() -> None:
+        backend.run(tree, names, MemorySink(), (), batch, inputs=False, train_mode=False, seed=0)
+
+    t_eager, t_export = paired(eager, exported, reps)
+    return {
+        "export_and_save_s": export_s,
+        "eager_capture_s": t_eager,
+        "export_capture_s": t_export,
+        "export_ratio": t_export / t_eager,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--layers", type=int, help="fewer layers than bert-base's 12")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend")
+    parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument("--skip-export", action="store_true")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "src"))
+    import torch
+
+    model, batch = bert_base(args.layers)
+    size = f"bert-base{'' if args.layers is None else f' ({args.layers} layers)'} 8x128"
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        if not args.skip_export:
+            results[f"export, {size}"] = export_figures(model, batch, args.reps, folder)
+        if not args.skip_compile:
+            results[f"compile ({args.backend}), {size}"] = compile_figures(
+                model, batch, args.reps, args.backend, folder
+            )
+    print(json.dumps({"torch": torch.__version__, **results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

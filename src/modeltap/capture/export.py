@@ -1,0 +1,403 @@
+"""torch.export backend: export with every module's call signature kept, dump from the graph.
+
+`export_program` exports with `preserve_module_call_signature` set to every module, so the program's
+module call graph names, for each call of each module, the graph values it returned and the pytree
+structure they had (a ModelOutput, a tuple with a None...). Dumping runs the flat graph once with
+`torch.fx.Interpreter`, keeps those values, rebuilds each module's output from them and names it
+through the `Recorder`: the same keys as eager, `@N` for repeated calls. (`torch.export.unflatten`
+would give a module tree to hook, but on transformers models it builds code with duplicate
+argument names when a submodule's keyword matches a model input, e.g. `attention_mask`.)
+
+A program exported without preserved signatures (made elsewhere) still has each node's
+`nn_module_stack`: a module's output is then the value computed inside it that is used outside
+it. A module with several such values gets `:0`, `:1`... in graph order (its real structure is
+unknown; `backend_details` lists it under `several_values_as_parts`), and a module returning
+`(tensor, None)` or a ModelOutput shows as a bare tensor.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from modeltap.capture.backend import BackendRun
+from modeltap.capture.recorder import Recorder, Sink
+from modeltap.errors import InputError, RunError, first_line
+from modeltap.selection import ROOT
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.export import ExportedProgram
+
+_CALL = re.compile(r"^(.*?)(?:@(\d+))?$")
+
+
+def export_program(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    dynamic: bool = True,
+) -> ExportedProgram:
+    """torch.export with every module's call signature preserved and, when `dynamic`, Dim.AUTO on
+    the batch and sequence dims (0 and 1) of every tensor input."""
+    import torch
+
+    names = tuple(n for n, _ in model.named_modules() if n)
+    was_training = model.training
+    model.eval()
+    try:
+        return torch.export.export(
+            model,
+            args,
+            kwargs,
+            dynamic_shapes=_dynamic_shapes(model, args, kwargs) if dynamic else None,
+            strict=False,
+            preserve_module_call_signature=names,
+        )
+    except Exception as exc:  # export raises many kinds (UserError, GuardOnDataDependent...)
+        raise InputError(_export_failure(model, exc)) from exc
+    finally:
+        model.train(was_training)
+
+
+def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """dynamic_shapes in the form torch.export wants: by forward's argument names."""
+    import inspect
+
+    import torch
+    from torch.export import Dim
+
+    def dims(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            return {d: Dim.AUTO for d in range(min(2, value.dim()))}
+        return None
+
+    params = [
+        p
+        for p in inspect.signature(model.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    shapes: dict[str, Any] = {}
+    for param, value in zip(params, args, strict=False):
+        shapes[param.name] = dims(value)
+    for key, value in kwargs.items():
+        shapes[key] = dims(value)
+    return shapes
+
+
+def _export_failure(model: nn.Module, exc: BaseException) -> str:
+    text = str(exc)
+    name = type(model).__name__
+    if "Cache" in text or "past_key_values" in text:
+        cause = "its output holds a cache object"
+        fix = "set use_cache=False in the model's config"
+    elif "data-dependent" in text.lower() or "GuardOnDataDependent" in type(exc).__name__:
+        cause = "it has data-dependent control flow"
+        fix = "export a part of it with a smaller --depth or another --model-class"
+    else:
+        cause = first_line(exc)
+        fix = "try another --model-class, use_cache=False, or a smaller --depth"
+    return f"torch.export can't export {name}: {cause}; {fix} (MODELTAP_DEBUG=1 shows why)"
+
+
+@dataclass
+class _Call:
+    module: str
+    call: int
+    outputs: list[Any]  # ArgumentSpecs
+    out_spec: Any
+    inputs: list[Any] | None = None
+    in_spec: Any = None
+
+
+def module_calls(ep: ExportedProgram) -> tuple[list[_Call], list[str]]:
+    """Each preserved module call, and the modules whose calls have no signature."""
+    calls: list[_Call] = []
+    unsigned: list[str] = []
+    for entry in ep.module_call_graph:
+        match = _CALL.match(entry.fqn)
+        assert match is not None
+        module, call = match.group(1) or ROOT, int(match.group(2) or 0)
+        if module == ROOT:
+            continue  # the root's output is what the program returns
+        if entry.signature is None:
+            unsigned.append(module)
+            continue
+        sig = entry.signature
+        calls.append(_Call(module, call, sig.outputs, sig.out_spec, sig.inputs, sig.in_spec))
+    return calls, unsigned
+
+
+def module_names(ep: ExportedProgram) -> dict[str, str]:
+    """Every module of the program (calls and their parents) -> its class name where known."""
+    classes: dict[str, str] = {}
+    for node in ep.graph.nodes:
+        for path, cls in (node.meta.get("nn_module_stack") or {}).values():
+            if "_empty_nn_module_stack" in path:
+                continue
+            classes.setdefault(_stack_fqn(path) or ROOT, _class_name(cls))
+    names: dict[str, str] = {ROOT: classes.get(ROOT, "ExportedProgram")}
+    for entry in ep.module_call_graph:
+        module = _CALL.match(entry.fqn).group(1)  # type: ignore[union-attr]
+        parts = module.split(".") if module else []
+        for i in range(1, len(parts) + 1):
+            fqn = ".".join(parts[:i])
+            names.setdefault(fqn, classes.get(fqn, "Module"))
+    for fqn, cls in classes.items():
+        names.setdefault(fqn, cls)
+    return names
+
+
+def _stack_fqn(path: str) -> str | None:
+    """`L['self'].encoder.layer[0]`, `encoder.layer.0@1` -> `encoder.layer.0`."""
+    if "_empty_nn_module_stack" in path:
+        return None
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
+    path = re.sub(r"@\d+$", "", path).strip(".")
+    return path or None
+
+
+def _class_name(cls: Any) -> str:
+    text = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+    return text.rsplit(".", 1)[-1].strip("'>")
+
+
+def skeleton(names: dict[str, str]) -> nn.Module:
+    """An empty module tree with the program's module names and class names, for selection and
+    `ls` (each class is a plain nn.Module subclass named after the original)."""
+    from torch import nn
+
+    class ArchiveModule(nn.Module):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("a module tree read from an archive has no code of its own")
+
+    classes: dict[str, type] = {}
+
+    def make(cls_name: str) -> nn.Module:
+        if cls_name not in classes:
+            classes[cls_name] = type(cls_name, (ArchiveModule,), {})
+        return classes[cls_name]()
+
+    root = make(names.get(ROOT, "ExportedProgram"))
+    for fqn in sorted((n for n in names if n != ROOT), key=lambda n: n.count(".")):
+        parent_name, _, child = fqn.rpartition(".")
+        parent = root.get_submodule(parent_name) if parent_name else root
+        parent.add_module(child, make(names[fqn]))
+    return root
+
+
+def flat_inputs(ep: ExportedProgram, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The program's flat inputs from args and kwargs, in the order it was exported with."""
+    import torch
+    from torch.utils import _pytree
+
+    spec = ep.call_spec.in_spec
+    exported_kwargs: list[str] = []
+    if spec is not None and spec.num_children == 2:
+        kw_spec = spec.child(1)
+        exported_kwargs = list(kw_spec.context or [])
+    if set(kwargs) != set(exported_kwargs):
+        raise InputError(
+            f"the program was exported with inputs {sorted(exported_kwargs) or 'by position'}, "
+            f"got {sorted(kwargs) or 'by position'}; give the same names, or re-export"
+        )
+    ordered = {k: kwargs[k] for k in exported_kwargs}
+    flat, given = _pytree.tree_flatten((tuple(args), ordered))
+    if spec is not None and given != spec:
+        raise InputError(
+            "these inputs have another structure than the exported program's; give inputs "
+            "like its example inputs (or re-export)"
+        )
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    user = placeholders[len(placeholders) - len(flat) :]
+    for node, value in zip(user, flat, strict=True):
+        fake = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or not isinstance(fake, torch.Tensor):
+            continue
+        if fake.dim() != value.dim():
+            raise InputError(
+                f"input '{node.name}' has {value.dim()} dims, the program takes {fake.dim()}"
+            )
+        for d, (want, got) in enumerate(zip(fake.shape, value.shape, strict=True)):
+            if isinstance(want, int) and want != got:
+                raise InputError(
+                    f"input '{node.name}' has size {got} in dim {d}, but the program was "
+                    f"exported with a static size {want} there; re-export with dynamic shapes "
+                    "(`modeltap export` without --static) or give inputs of that shape"
+                )
+    return flat
+
+
+def mutated_nodes(graph: Any) -> set[str]:
+    """Names of nodes whose value an in-place op (`add_`, `relu_`) changes later, through views."""
+    mutated: set[str] = set()
+    for node in graph.nodes:
+        target = node.target
+        schema = getattr(target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        base = node.args[0] if node.args else None
+        while hasattr(base, "op"):
+            mutated.add(base.name)
+            view = getattr(base.target, "is_view", False) if base.op == "call_function" else False
+            base = base.args[0] if view and base.args else None
+    return mutated
+
+
+class _Keeper:
+    """An Interpreter that keeps the values of some nodes as they are computed (a copy of those
+    that an in-place op changes later, so each module keeps the value it returned)."""
+
+    def __init__(self, gm: Any, wanted: set[str]) -> None:
+        import torch
+        import torch.fx
+
+        keeper = self
+        copy = wanted & mutated_nodes(gm.graph)
+
+        class Interp(torch.fx.Interpreter):
+            def run_node(self, n: Any) -> Any:
+                result = super().run_node(n)
+                if n.name in wanted:
+                    if n.name in copy and isinstance(result, torch.Tensor):
+                        keeper.values[n.name] = result.clone()
+                    else:
+                        keeper.values[n.name] = result
+                return result
+
+        self.values: dict[str, Any] = {}
+        self.interpreter = Interp(gm)
+
+    def run(self, flat: list[Any]) -> Any:
+        return self.interpreter.run(*flat, enable_io_processing=False)
+
+
+def _argument_value(spec: Any, values: dict[str, Any]) -> Any:
+    name = getattr(spec, "name", None)
+    if name and name in values:
+        return values[name]
+    if hasattr(spec, "value"):
+        return spec.value
+    return None
+
+
+@dataclass
+class ExportBackend:
+    """Dump an ExportedProgram's module outputs under the eager keys."""
+
+    program: Any
+    source: str = ""
+    name: str = "export"
+
+    def run(
+        self,
+        model: nn.Module,
+        modules: list[str],
+        sink: Sink,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        inputs: bool,
+        train_mode: bool,
+        seed: int | None,
+    ) -> BackendRun:
+        import torch
+        from torch.utils import _pytree
+
+        if train_mode:
+            raise InputError("an exported program runs as exported; drop --train-mode")
+        ep = self.program
+        selected = set(modules)
+        calls, unsigned = module_calls(ep)
+        calls = [c for c in calls if c.module in selected]
+        wanted = {getattr(a, "name", "") for c in calls for a in c.outputs}
+        if inputs:
+            wanted |= {getattr(a, "name", "") for c in calls for a in c.inputs or []}
+        flat = flat_inputs(ep, args, kwargs)
+        gm = ep.module()
+        # modules without a preserved signature: their output read from nn_module_stack scopes
+        inferred = []
+        if unsigned:
+            from modeltap.capture.fx import _calls as scope_calls
+
+            wanted_modules = set(unsigned) & selected
+            inferred = [c for c in scope_calls(gm) if c.module in wanted_modules]
+            wanted |= {n.name for c in inferred for n in c.escaping}
+        keeper = _Keeper(gm, wanted)
+        if seed is not None:
+            torch.manual_seed(seed)
+        start = time.perf_counter()
+        try:
+            with torch.no_grad():
+                flat_out = keeper.run(flat)
+        except InputError:
+            raise
+        except Exception as exc:
+            raise RunError(
+                f"the exported program failed: {first_line(exc)}; check the inputs' shapes and "
+                "dtypes against its example inputs (MODELTAP_DEBUG=1 shows the traceback)"
+            ) from exc
+        seconds = time.perf_counter() - start
+        position = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+        values = keeper.values
+
+        def ends_at(call: _Call) -> tuple[int, int]:
+            last = max((position.get(getattr(a, "name", ""), -1) for a in call.outputs), default=-1)
+            return last, -call.module.count(".")  # a child returns before its parent
+
+        events: list[tuple[tuple[int, int], int, Any]] = [
+            (ends_at(c), i, c) for i, c in enumerate(calls)
+        ]
+        events += [
+            ((c.last, -c.module.count(".")), len(calls) + i, c) for i, c in enumerate(inferred)
+        ]
+        recorder = Recorder(sink)
+        several: list[str] = []
+        for _, _, call in sorted(events, key=lambda e: (e[0], e[1])):
+            if not isinstance(call, _Call):  # an inferred call: the values leaving its scope
+                got = [values[n.name] for n in call.escaping]
+                if len(got) > 1:
+                    several.append(call.module)
+                recorder.record(call.module, got[0] if len(got) == 1 else tuple(got))
+                continue
+            if inputs and call.inputs is not None and call.in_spec is not None:
+                leaves = [_argument_value(a, values) for a in call.inputs]
+                call_args, call_kwargs = _pytree.tree_unflatten(leaves, call.in_spec)
+                recorder.record(
+                    call.module, {**dict(enumerate(call_args)), **call_kwargs}, is_input=True
+                )
+            leaves = [_argument_value(a, values) for a in call.outputs]
+            recorder.record(call.module, _pytree.tree_unflatten(leaves, call.out_spec))
+        output = _output(ep, flat_out)
+        if ROOT in selected:
+            recorder.record(ROOT, output)
+        called = {c.module for c in calls} | {c.module for c in inferred} | {ROOT}
+        details: dict[str, Any] = {
+            "source": self.source,
+            "graph_nodes": len(gm.graph.nodes),
+            "run_s": seconds,
+        }
+        if unsigned:
+            details["modules_without_signature"] = len(unsigned)
+            details["inferred_from_scopes"] = len({c.module for c in inferred})
+        if several:
+            details["several_values_as_parts"] = several
+        return BackendRun(recorder, details, [m for m in modules if m not in called], output)
+
+
+def _output(ep: Any, flat_out: Any) -> Any:
+    from torch.utils import _pytree
+
+    spec = ep.call_spec.out_spec
+    if spec is None:
+        return flat_out
+    leaves = list(flat_out) if isinstance(flat_out, (list, tuple)) else [flat_out]
+    try:
+        return _pytree.tree_unflatten(leaves, spec)
+    except (ValueError, TypeError):
+        return flat_out

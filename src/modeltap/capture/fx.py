@@ -1,0 +1,163 @@
+"""FX backend: a `torch.fx.GraphModule` run node by node with `torch.fx.Interpreter`.
+
+A traced GraphModule calls its leaf modules (`call_module` nodes) but inlines the code of the
+others (a transformer block is a row of `call_function` nodes). Each node's `nn_module_stack`
+metadata names every module call it came from (`shared@1` for the second call), so the output
+of any call, inlined or not, is the value computed inside it that is used outside it (or
+returned): the same keys as the eager hooks give. A GraphModule built by hand, with no such
+metadata, gets its `call_module` outputs only; the modules that produce nothing are listed as
+unmapped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from modeltap.capture.backend import BackendRun
+from modeltap.capture.recorder import Recorder, Sink
+from modeltap.errors import InputError, RunError, first_line
+from modeltap.selection import ROOT
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+@dataclass
+class _Call:
+    module: str
+    nodes: list[Any] = field(default_factory=list)
+    escaping: list[Any] = field(default_factory=list)
+    last: int = -1
+
+
+def _calls(gm: Any) -> list[_Call]:
+    """Module calls in the order they return, each with the nodes that leave it."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    calls: dict[str, _Call] = {}
+    scopes: dict[Any, set[str]] = {}
+    for node in nodes:
+        stack = node.meta.get("nn_module_stack")
+        keys: set[str] = set()
+        if stack:
+            for key, (fqn, _cls) in stack.items():
+                keys.add(key)
+                calls.setdefault(key, _Call(str(fqn) or ROOT)).nodes.append(node)
+        elif node.op == "call_module":
+            key = f"{node.target}#{node.name}"
+            keys.add(key)
+            calls.setdefault(key, _Call(str(node.target))).nodes.append(node)
+        scopes[node] = keys
+    for key, call in calls.items():
+        for node in call.nodes:
+            if any(key not in scopes[user] or user.op == "output" for user in node.users):
+                call.escaping.append(node)
+        call.last = max(order[n] for n in call.nodes)
+    ordered = sorted(calls.values(), key=lambda c: (c.last, -c.module.count(".")))
+    return [c for c in ordered if c.escaping and c.module != ROOT]
+
+
+def _mutated(gm: Any) -> set[Any]:
+    """Nodes whose value a later in-place op changes (`x += 1`, `ReLU(inplace=True)`)."""
+    from modeltap.capture.compile import _INPLACE_OPERATORS
+
+    changed: set[Any] = set()
+    for node in gm.graph.nodes:
+        target = node.target
+        inplace = False
+        if node.op == "call_module":
+            inplace = getattr(gm.get_submodule(target), "inplace", False) is True
+        elif node.op in ("call_function", "call_method"):
+            name = target if isinstance(target, str) else getattr(target, "__name__", "")
+            inplace = (
+                target in _INPLACE_OPERATORS
+                or node.kwargs.get("inplace") is True
+                or (
+                    name.endswith("_")
+                    and not name.endswith("__")
+                    and getattr(target, "__module__", "") not in ("_operator", "operator")
+                )
+            )
+        if inplace and node.args and hasattr(node.args[0], "op"):
+            changed.add(node.args[0])
+    return changed
+
+
+@dataclass
+class FxBackend:
+    """Dump a GraphModule's module outputs under the eager keys."""
+
+    name: str = "fx"
+
+    def run(
+        self,
+        model: nn.Module,
+        modules: list[str],
+        sink: Sink,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        inputs: bool,
+        train_mode: bool,
+        seed: int | None,
+    ) -> BackendRun:
+        import torch
+        import torch.fx
+
+        if inputs:
+            raise InputError("--inputs is not available for fx.GraphModules; drop it")
+        gm = model
+        selected = set(modules)
+        calls = [c for c in _calls(gm) if c.module in selected]
+        wanted = {n for c in calls for n in c.escaping}
+        copy = wanted & _mutated(gm)
+        values: dict[Any, Any] = {}
+
+        class Keeper(torch.fx.Interpreter):
+            def run_node(self, n: Any) -> Any:
+                result = super().run_node(n)
+                if n in wanted:
+                    values[n] = result.clone() if n in copy else result
+                return result
+
+        placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        flat = list(args)
+        for name in placeholders[len(args) :]:
+            if name in kwargs:
+                flat.append(kwargs[name])
+        unknown = set(kwargs) - set(placeholders)
+        if unknown:
+            raise InputError(
+                f"input '{sorted(unknown)[0]}' is not an input of the GraphModule; its inputs "
+                f"are: {', '.join(map(str, placeholders))}"
+            )
+        was_training = {m: m.training for m in gm.modules()}
+        gm.train(train_mode)
+        if seed is not None:
+            torch.manual_seed(seed)
+        start = time.perf_counter()
+        try:
+            with torch.no_grad():
+                output = Keeper(gm).run(*flat)
+        except InputError:
+            raise
+        except Exception as exc:
+            raise RunError(
+                f"the GraphModule failed: {first_line(exc)}; check the inputs' shapes and dtypes "
+                "(MODELTAP_DEBUG=1 shows the traceback)"
+            ) from exc
+        finally:
+            for m, training in was_training.items():
+                m.training = training
+        seconds = time.perf_counter() - start
+        recorder = Recorder(sink)
+        for call in calls:
+            got = [values[n] for n in call.escaping]
+            recorder.record(call.module, got[0] if len(got) == 1 else tuple(got))
+        if ROOT in selected:
+            recorder.record(ROOT, output)
+        called = {c.module for c in calls} | {ROOT}
+        details = {"graph_nodes": len(gm.graph.nodes), "run_s": seconds}
+        return BackendRun(recorder, details, [m for m in modules if m not in called], output)

@@ -1,0 +1,254 @@
+"""TorchScript backend: module outputs read from the inlined graph, no hooks.
+
+Hooks cannot be added to a loaded ScriptModule, and on a traced module they register but never
+fire. Instead: inline the forward graph; each node knows the module it came from
+(`Node.getModuleHierarchy()`, which survives save/load); a module call is a run of consecutive
+nodes inside that module, and its output is the values the run computes that are used after it
+(or returned). Those values become extra graph outputs (copied first when an in-place op changes
+them later), a function is built from the graph and run once, and the values are named through the
+`Recorder` with the eager dotted names. Modules whose nodes sit only inside control flow (a
+scripted `if`/loop) can't be read this way and are listed as unmapped.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from modeltap.capture.backend import BackendRun
+from modeltap.capture.recorder import Recorder, Sink
+from modeltap.errors import InputError, RunError, first_line
+from modeltap.selection import ROOT
+
+if TYPE_CHECKING:
+    from torch import nn
+
+_SEGMENT = re.compile(r"([^.()]+)\(([^()]*)\)")
+_SKIP_KINDS = {"prim::Constant", "prim::GetAttr"}
+
+
+def _segments(hierarchy: str) -> list[str]:
+    # scripted functions called inside a module (F.layer_norm) add `UNKNOWN_INSTANCE` levels
+    return [m.group(1) for m in _SEGMENT.finditer(hierarchy) if m.group(1) != "UNKNOWN_INSTANCE"]
+
+
+class _Resolver:
+    """Hierarchy segments (`0(Block).act(GELU)`: ModuleLists are skipped) -> eager dotted names."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = set(names)
+        self.cache: dict[tuple[str, ...], str | None] = {}
+
+    def __call__(self, segments: list[str]) -> str | None:
+        key = tuple(segments)
+        if key not in self.cache:
+            self.cache[key] = self._resolve(segments)
+        return self.cache[key]
+
+    def _resolve(self, segments: list[str]) -> str | None:
+        prefix = ""
+        for seg in segments:
+            direct = f"{prefix}.{seg}" if prefix else seg
+            if direct in self.names:
+                prefix = direct
+                continue
+            # a child reached through a container that the hierarchy leaves out
+            base = f"{prefix}." if prefix else ""
+            found = sorted(
+                (n for n in self.names if n.startswith(base) and n.endswith(f".{seg}")),
+                key=lambda n: n.count("."),
+            )
+            if not found:
+                return None
+            prefix = found[0]
+        return prefix
+
+
+def script_skeleton(script: Any) -> Any:
+    """An empty module tree with the ScriptModule's names and original class names (a loaded
+    ScriptModule reports every module as RecursiveScriptModule)."""
+    from modeltap.capture.export import skeleton
+
+    return skeleton(
+        {
+            (n or ROOT): getattr(m, "original_name", type(m).__name__)
+            for n, m in script.named_modules()
+        }
+    )
+
+
+def _top_level(node: Any) -> Any:
+    while node.owningBlock() is not None and node.owningBlock().owningNode() is not None:
+        node = node.owningBlock().owningNode()
+    return node
+
+
+@dataclass
+class _Call:
+    module: str
+    values: list[Any]  # torch._C.Value
+
+
+def _module_calls(graph: Any, resolve: _Resolver) -> tuple[list[_Call], int]:
+    """Module calls as runs of consecutive top-level nodes, and how many nodes had no hierarchy."""
+    nodes = [n for n in graph.nodes() if n.kind() not in _SKIP_KINDS]
+    index = {n: i for i, n in enumerate(nodes)}
+    paths: list[str | None] = []
+    modules: set[str] = set()
+    unknown = 0
+    for node in nodes:
+        try:
+            segments = _segments(node.getModuleHierarchy())
+        except RuntimeError:
+            segments = []
+        path = resolve(segments) if segments else ""
+        if path is None:
+            unknown += 1
+        else:
+            # every level the hierarchy names is a called module (containers it skips are not)
+            modules.update(p for k in range(1, len(segments) + 1) if (p := resolve(segments[:k])))
+        paths.append(path)
+    returned = set(graph.return_node().inputs())
+    calls: list[tuple[int, _Call]] = []
+    for module in sorted(modules):
+        inside = [bool(p) and (p == module or p.startswith(module + ".")) for p in paths]
+        i = 0
+        while i < len(nodes):
+            if not inside[i]:
+                i += 1
+                continue
+            start = i
+            while i < len(nodes) and inside[i]:
+                i += 1
+            run = range(start, i)
+            escaping = []
+            for j in run:
+                for value in nodes[j].outputs():
+                    used_after = any(
+                        index.get(_top_level(use.user), len(nodes)) >= i for use in value.uses()
+                    )
+                    if used_after or value in returned:
+                        escaping.append(value)
+            if escaping:
+                calls.append((i - 1, _Call(module, escaping)))
+    # a child's call ends before (or where) its parent's does: order by end, deeper first
+    calls.sort(key=lambda c: (c[0], -c[1].module.count(".")))
+    return [c for _, c in calls], unknown
+
+
+def _mutated_later(value: Any) -> bool:
+    for use in value.uses():
+        kind = use.user.kind()
+        if use.offset == 0 and kind.startswith("aten::") and kind.endswith("_"):
+            return True
+    return False
+
+
+@dataclass
+class TorchScriptBackend:
+    """Dump a ScriptModule (traced or scripted, loaded from torch.jit.save) under eager keys."""
+
+    script: Any
+    source: str = ""
+    name: str = "torchscript"
+
+    def run(
+        self,
+        model: nn.Module,
+        modules: list[str],
+        sink: Sink,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        inputs: bool,
+        train_mode: bool,
+        seed: int | None,
+    ) -> BackendRun:
+        import torch
+
+        if inputs:
+            raise InputError("--inputs is not available for TorchScript archives; drop it")
+        if train_mode:
+            raise InputError("a TorchScript archive runs as saved; drop --train-mode")
+        script = self.script
+        graph = script.forward.graph.copy()
+        torch._C._jit_pass_inline(graph)
+        names = [n for n, _ in script.named_modules() if n]
+        calls, unknown = _module_calls(graph, _Resolver(names))
+        if not calls:
+            raise InputError(
+                f"'{self.source}' has no module hierarchy to map its values to (frozen, or saved "
+                "by an old torch); save the module again with torch.jit.save, without "
+                "torch.jit.freeze"
+            )
+        selected = set(modules)
+        calls = [c for c in calls if c.module in selected]
+        originals = list(graph.return_node().inputs())
+        extra: list[Any] = []
+        slots: list[list[int]] = []
+        for call in calls:
+            positions = []
+            for value in call.values:
+                if _mutated_later(value):
+                    none = graph.insertConstant(None)
+                    clone = graph.create("aten::clone", [value, none])
+                    clone.insertAfter(value.node())
+                    none.node().moveBefore(clone)
+                    value = clone.output()
+                positions.append(len(originals) + len(extra))
+                extra.append(value)
+            slots.append(positions)
+        for value in extra:
+            graph.registerOutput(value)
+        graph.makeMultiOutputIntoTuple()
+        function = torch._C._create_function_from_graph("modeltap_forward", graph)
+        flat = _positional(graph, args, kwargs, self.source)
+        if seed is not None:
+            torch.manual_seed(seed)
+        start = time.perf_counter()
+        try:
+            with torch.no_grad():
+                results = function(script._c, *flat)
+        except Exception as exc:  # TorchScript raises its own error kinds
+            raise RunError(
+                f"the TorchScript module failed: {first_line(exc)}; check the inputs' shapes "
+                "and dtypes (MODELTAP_DEBUG=1 shows the traceback)"
+            ) from exc
+        seconds = time.perf_counter() - start
+        results = results if isinstance(results, tuple) else (results,)
+        output = results[0] if len(originals) == 1 else results[: len(originals)]
+        recorder = Recorder(sink)
+        for call, positions in zip(calls, slots, strict=True):
+            values = [results[p] for p in positions]
+            recorder.record(call.module, values[0] if len(values) == 1 else tuple(values))
+        if ROOT in selected:
+            recorder.record(ROOT, output)
+        called = {c.module for c in calls} | {ROOT}
+        details = {"source": self.source, "run_s": seconds, "nodes_without_module": unknown}
+        return BackendRun(recorder, details, [m for m in modules if m not in called], output)
+
+
+def _positional(graph: Any, args: tuple[Any, ...], kwargs: dict[str, Any], source: str) -> list:
+    """Named inputs placed by the graph's input names (`input_ids.1` -> `input_ids`)."""
+    params = [re.sub(r"\.\d+$", "", v.debugName()) for v in list(graph.inputs())[1:]]
+    flat = list(args)
+    rest = params[len(args) :]
+    unknown = set(kwargs) - set(rest)
+    if unknown:
+        raise InputError(
+            f"input '{sorted(unknown)[0]}' is not an input of the TorchScript module in "
+            f"'{source}'; its inputs are: {', '.join(params)}"
+        )
+    for name in rest:
+        if name in kwargs:
+            flat.append(kwargs[name])
+        else:
+            break
+    if len(flat) < len(args) + len(kwargs):
+        raise InputError(
+            f"give the TorchScript module's inputs in order ({', '.join(params)}); "
+            "a name was skipped"
+        )
+    return flat

@@ -1,0 +1,156 @@
+"""torch.compile backend: same keys as eager, values within the `compile` preset, one graph."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from modeltap.capture import capture
+from modeltap.capture.compile import compile_capture
+from modeltap.cli import app
+from modeltap.config import tolerance_preset
+from tests.fixtures.backends import build_nested, nested, read_dump
+
+runner = CliRunner()
+
+
+def _dump(args: list[str]) -> None:
+    result = runner.invoke(app, ["dump", *args])
+    assert result.exit_code == 0, result.output
+
+
+def _assert_same(eager: dict[str, torch.Tensor], other: dict[str, torch.Tensor], atol, rtol):
+    assert set(other) == set(eager)
+    for key, value in eager.items():
+        torch.testing.assert_close(other[key], value, atol=atol, rtol=rtol, msg=key)
+
+
+def test_tiny_bert_compiled_dump_has_the_eager_keys_and_values(bert_dir: Path) -> None:
+    _dump([str(bert_dir), "hello world", "-o", "eager.safetensors"])
+    _dump(
+        [str(bert_dir), "hello world", "--compile", "--compile-backend", "aot_eager"]
+        + ["--fullgraph", "-o", "compiled.safetensors"]
+    )
+    eager, eager_meta = read_dump("eager.safetensors")
+    compiled, meta = read_dump("compiled.safetensors")
+    tol = tolerance_preset("compile")
+    _assert_same(eager, compiled, tol["atol"], tol["rtol"])
+    assert json.loads(meta["order"]) == json.loads(eager_meta["order"])
+    assert not any("_orig_mod" in k for k in compiled)
+    details = json.loads(meta["backend_details"])
+    assert (meta["backend"], details["graphs"], details["graph_breaks"]) == ("compile", 1, 0)
+    assert eager_meta["backend"] == "eager"
+    # hooked but never called in this forward (a ModuleList, sdpa skips attention dropout)
+    assert json.loads(meta["unmapped"]) == [
+        "encoder.layer",
+        "encoder.layer.0.attention.self.dropout",
+        "encoder.layer.1.attention.self.dropout",
+    ]
+
+
+def test_reused_module_and_inplace_ops_keep_the_values_modules_returned() -> None:
+    model = nested()
+    x = torch.randn(2, 5, 4)
+    got, info = compile_capture(model, x, backend="aot_eager", fullgraph=True, inputs=True)
+    want = capture(model, x, inputs=True)
+    assert got.keys() == want.keys()
+    assert "blocks.1:in.0" in want.keys()
+    assert "shared@2" in got.keys()
+    for key in want.keys():
+        torch.testing.assert_close(got[key], want[key], atol=0, rtol=0, msg=key)
+    # independent reference: norm's output before `h += 1`, head's before ReLU(inplace)
+    with torch.no_grad():
+        h = model.shared(model.embed(x))
+        for block in model.blocks:
+            h = model.shared(block(h))
+        normed = model.norm(h)
+        head = model.head(normed + 1.0)
+    torch.testing.assert_close(got["norm"], normed, atol=0, rtol=0)
+    torch.testing.assert_close(got["head"], head, atol=0, rtol=0)
+    torch.testing.assert_close(got["relu"], head.relu(), atol=0, rtol=0)
+    assert info.copied_outputs and info.graphs == 1
+    assert not any(m.training for m in model.modules())
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_unknown_compile_backend_is_a_one_line_error(bert_dir: Path) -> None:
+    result = runner.invoke(
+        app, ["dump", str(bert_dir), "hi", "--compile", "--compile-backend", "nope", "-o", "x"]
+    )
+    assert result.exit_code == 2
+    assert "no torch.compile backend 'nope'" in result.output
+    assert "Traceback" not in result.output
+    assert not Path("x").exists()
+
+
+@pytest.mark.slow
+def test_inductor_matches_eager_within_the_compile_preset(bert_dir: Path) -> None:
+    _dump([str(bert_dir), "hello world", "-o", "eager.safetensors"])
+    _dump([str(bert_dir), "hello world", "--compile", "-o", "compiled.safetensors"])
+    eager, _ = read_dump("eager.safetensors")
+    compiled, meta = read_dump("compiled.safetensors")
+    tol = tolerance_preset("compile")
+    _assert_same(eager, compiled, tol["atol"], tol["rtol"])
+    assert json.loads(meta["backend_details"])["compile_backend"] == "inductor"
+
+
+@pytest.mark.slow
+def test_grads_through_compile_equal_plain_autograd() -> None:
+    _dump(
+        ["tests.fixtures.backends:build_nested", "--grads", "--compile"]
+        + ["--compile-backend", "eager", "-o", "g.safetensors"]
+    )
+    got, meta = read_dump("g.safetensors")
+    details = json.loads(meta["backend_details"])
+    assert meta["backend"] == "compile" and details["graphs"] > 1  # hooks break the graph
+    assert details["graph_breaks"] == details["graphs"] - 1
+    # independent reference: d sum(output) / d (some modules' outputs), plain autograd
+    model, (x,) = build_nested()
+    outputs: dict[str, torch.Tensor] = {}
+    handles = [
+        model.get_submodule(name).register_forward_hook(
+            lambda m, a, out, name=name: outputs.__setitem__(name, out)
+        )
+        for name in ("embed", "blocks.0", "blocks.1.act", "norm")
+    ]
+    y = model(x)
+    for handle in handles:
+        handle.remove()
+    names = list(outputs)
+    grads = torch.autograd.grad(y.sum(), [outputs[n] for n in names])
+    tol = tolerance_preset("compile")
+    for name, want in zip(names, grads, strict=True):
+        torch.testing.assert_close(got[f"grad/{name}"], want, **tol, msg=name)
+
+
+def test_gpt2_without_cache_keeps_the_eager_keys(gpt2_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gpt2_dir, use_cache=False).eval()
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    got, info = compile_capture(model, input_ids=ids, backend="aot_eager", fullgraph=True)
+    want = capture(model, input_ids=ids)
+    assert set(got.keys()) == set(want.keys())
+    tol = tolerance_preset("compile")
+    for key in want.keys():
+        torch.testing.assert_close(got[key], want[key], **tol, msg=key)
+    assert info.graphs == 1
+
+
+@pytest.mark.slow
+def test_minilm_compiled_keys_and_values(minilm_dir: Path) -> None:
+    from transformers import AutoModel, AutoTokenizer
+
+    model = AutoModel.from_pretrained(minilm_dir).eval()
+    batch = dict(AutoTokenizer.from_pretrained(minilm_dir)(["hello world"], return_tensors="pt"))
+    got, info = compile_capture(model, backend="aot_eager", **batch)
+    want = capture(model, **batch)
+    assert set(got.keys()) == set(want.keys()) and len(want.keys()) == 114
+    tol = tolerance_preset("compile")
+    for key in want.keys():
+        torch.testing.assert_close(got[key], want[key], **tol, msg=key)
+    assert info.graphs == 1

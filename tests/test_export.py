@@ -1,0 +1,215 @@
+"""torch.export backend and .pt2 archives: eager keys, exact values, the pickle pre-scan."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from modeltap.capture import MemorySink, capture
+from modeltap.capture.export import ExportBackend, export_program, module_names, skeleton
+from modeltap.cli import app
+from modeltap.loading.archive import load_pt2, scan_pt2
+from tests.fixtures.backends import nested, read_dump
+
+runner = CliRunner()
+
+
+def _run(path: Path, args: tuple, kwargs: dict) -> tuple[MemorySink, object]:
+    program = load_pt2(path)
+    tree = skeleton(module_names(program))
+    names = [n or "__root__" for n, _ in tree.named_modules()]
+    sink = MemorySink()
+    done = ExportBackend(program).run(
+        tree, names, sink, args, kwargs, inputs=False, train_mode=False, seed=0
+    )
+    return sink, done
+
+
+def _assert_exact(sink: MemorySink, done, want) -> None:
+    rec = done.recorder
+    assert set(rec.order) == set(want.keys())
+    for key in want.keys():
+        got = sink.tensors[rec.aliases.get(key, key)]
+        torch.testing.assert_close(got, want[key], atol=0, rtol=0, msg=key)
+
+
+def test_nested_module_exports_with_eager_keys_and_exact_values(tmp_path: Path) -> None:
+    model = nested()
+    x = torch.randn(2, 5, 4)
+    torch.export.save(export_program(model, (x,), {}), tmp_path / "n.pt2")
+    other = torch.randn(3, 7, 4)  # dynamic batch and sequence
+    sink, done = _run(tmp_path / "n.pt2", (other,), {})
+    want = capture(model, other)
+    _assert_exact(sink, done, want)
+    assert done.recorder.order == want.keys()  # shared, shared@1, shared@2 in call order
+    # the in-place `h += 1` after norm returned, and ReLU(inplace) after head, don't leak in
+    torch.testing.assert_close(sink.tensors["head"], model.head(want["norm"] + 1.0), atol=0, rtol=0)
+    assert done.unmapped == ["blocks"]  # a ModuleList is never called
+
+
+def test_tiny_bert_cli_export_then_dump_equals_eager(bert_dir: Path) -> None:
+    texts = ["hello world", "a second sentence about the model"]
+    r = runner.invoke(app, ["export", str(bert_dir), *texts, "-o", "m.pt2"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["dump", str(bert_dir), *texts, "-o", "eager.safetensors"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["dump", "m.pt2", "-o", "exported.safetensors"])  # example inputs
+    assert r.exit_code == 0, r.output
+    eager, _ = read_dump("eager.safetensors")
+    exported, meta = read_dump("exported.safetensors")
+    assert set(exported) == set(eager) and len(eager) == 46
+    for key, value in eager.items():
+        torch.testing.assert_close(exported[key], value, atol=0, rtol=0, msg=key)
+    assert meta["backend"] == "export"
+    # other inputs through the dynamic dims, tokenized with the model's tokenizer
+    r = runner.invoke(
+        app,
+        ["dump", "m.pt2", "the quick brown fox jumps over the lazy dog", "--tokenizer"]
+        + [str(bert_dir), "-o", "longer.safetensors"],
+    )
+    assert r.exit_code == 0, r.output
+    longer, _ = read_dump("longer.safetensors")
+    assert longer["encoder.layer.1"].shape[1] > eager["encoder.layer.1"].shape[1]
+    r = runner.invoke(app, ["ls", "m.pt2"])
+    assert r.exit_code == 0 and "BertEncoder" in r.output
+
+
+def test_gpt2_without_cache_exports_exactly(gpt2_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gpt2_dir, use_cache=False).eval()
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    torch.export.save(export_program(model, (), kwargs), tmp_path / "g.pt2")
+    sink, done = _run(tmp_path / "g.pt2", (), kwargs)
+    want = capture(model, **kwargs)
+    _assert_exact(sink, done, want)
+
+
+def test_static_export_refuses_other_shapes(tmp_path: Path) -> None:
+    model = nested()
+    torch.export.save(
+        export_program(model, (torch.randn(2, 5, 4),), {}, dynamic=False), tmp_path / "s.pt2"
+    )
+    with pytest.raises(Exception, match="static size 5.*re-export with dynamic shapes"):
+        _run(tmp_path / "s.pt2", (torch.randn(2, 6, 4),), {})
+
+
+def _crafted_pt2(tmp_path: Path, marker: Path) -> Path:
+    """A real .pt2 whose sample inputs are replaced by a pickle that creates `marker`."""
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    good = tmp_path / "good.pt2"
+    torch.export.save(export_program(nested(), (torch.randn(2, 5, 4),), {}), good)
+    bad = tmp_path / "bad.pt2"
+    buffer = io.BytesIO()
+    torch.save(Payload(), buffer, _use_new_zipfile_serialization=True)
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(bad, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item.filename)
+            if "/data/sample_inputs/" in item.filename:
+                data = buffer.getvalue()
+            dst.writestr(item, data)
+    return bad
+
+
+def test_crafted_pickle_archive_is_refused_before_anything_is_unpickled(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    bad = _crafted_pt2(tmp_path, marker)
+    assert scan_pt2(bad).needs_pickle
+    r = runner.invoke(app, ["dump", str(bad), "-o", "x.safetensors"])
+    assert r.exit_code == 2
+    assert "needs a full unpickle" in r.output and "--allow-pickle" in r.output
+    assert "Traceback" not in r.output
+    r = runner.invoke(app, ["ls", str(bad)])
+    assert r.exit_code == 2
+    assert not marker.exists()
+    assert not Path("x.safetensors").exists()
+    # no config file or environment variable can switch the check off
+    Path("modeltap.toml").write_text("allow_pickle = true\n")
+    r = runner.invoke(app, ["dump", str(bad), "-o", "x.safetensors"])
+    assert r.exit_code == 2 and not marker.exists()
+    Path("modeltap.toml").unlink()
+    # the scan is what stood in the way: with --allow-pickle torch.export.load runs the payload
+    r = runner.invoke(app, ["dump", str(bad), "--allow-pickle", "-o", "x.safetensors"])
+    assert marker.exists()
+    assert not Path("x.safetensors").exists()
+
+
+def test_use_pickle_weights_are_refused(tmp_path: Path) -> None:
+    good = tmp_path / "good.pt2"
+    torch.export.save(export_program(nested(), (torch.randn(2, 5, 4),), {}), good)
+    bad = tmp_path / "weights.pt2"
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(bad, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item.filename)
+            if item.filename.endswith("weights_config.json"):
+                config = json.loads(data)
+                first = next(iter(config["config"]))
+                config["config"][first]["use_pickle"] = True
+                data = json.dumps(config).encode()
+            dst.writestr(item, data)
+    assert any("use_pickle" not in s for s in scan_pt2(bad).needs_pickle)
+    r = runner.invoke(app, ["dump", str(bad), "-o", "x.safetensors"])
+    assert r.exit_code == 2 and "needs a full unpickle" in r.output
+
+
+def test_wrong_archive_kinds_are_one_line_errors(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(2)}, tmp_path / "weights.pt")
+    r = runner.invoke(app, ["dump", str(tmp_path / "weights.pt"), "-o", "x.safetensors"])
+    assert r.exit_code == 2 and "torch.save file, not a model archive" in r.output
+    (tmp_path / "text.pt2").write_text("not a zip")
+    r = runner.invoke(app, ["dump", str(tmp_path / "text.pt2"), "-o", "x.safetensors"])
+    assert r.exit_code == 2 and "not a zip archive" in r.output
+    assert not Path("x.safetensors").exists()
+
+
+def test_a_model_that_cannot_be_exported_says_why() -> None:
+    class DataDependent(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.sum() > 0:
+                return x * 2
+            return x
+
+    with pytest.raises(Exception, match="torch.export can't export DataDependent") as info:
+        export_program(DataDependent(), (torch.randn(2, 3),), {})
+    assert info.value.exit_code == 2
+
+
+@pytest.mark.slow
+def test_minilm_exports_exactly(minilm_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModel, AutoTokenizer
+
+    model = AutoModel.from_pretrained(minilm_dir).eval()
+    batch = dict(
+        AutoTokenizer.from_pretrained(minilm_dir)(
+            ["hello world", "a longer second sentence"], return_tensors="pt", padding=True
+        )
+    )
+    torch.export.save(export_program(model, (), batch), tmp_path / "m.pt2")
+    sink, done = _run(tmp_path / "m.pt2", (), batch)
+    want = capture(model, **batch)
+    assert len(want.keys()) == 114
+    _assert_exact(sink, done, want)
+
+
+def test_archive_without_preserved_signatures_maps_modules_from_their_scopes(
+    tmp_path: Path,
+) -> None:
+    model = nested()
+    x = torch.randn(2, 5, 4)
+    torch.export.save(torch.export.export(model, (x,)), tmp_path / "plain.pt2")  # made elsewhere
+    sink, done = _run(tmp_path / "plain.pt2", (x,), {})
+    want = capture(model, x)
+    _assert_exact(sink, done, want)
+    assert done.details["inferred_from_scopes"] == 11  # all modules but the root and `blocks`

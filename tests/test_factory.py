@@ -1,0 +1,51 @@
+"""MODEL as pkg.module:function: modules, (module, example inputs), and the errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from modeltap.capture import capture
+from modeltap.cli import app
+from modeltap.errors import InputError
+from modeltap.loading.factory import is_factory, load_factory
+from tests.fixtures.backends import build_nested, read_dump
+
+runner = CliRunner()
+
+
+def test_factory_with_example_inputs_dumps_like_eager() -> None:
+    r = runner.invoke(app, ["dump", "tests.fixtures.backends:build_nested", "-o", "f.safetensors"])
+    assert r.exit_code == 0, r.output
+    got, meta = read_dump("f.safetensors")
+    model, (x,) = build_nested()
+    want = capture(model, x)
+    assert set(got) == set(want.keys())
+    for key in want.keys():
+        torch.testing.assert_close(got[key], want[key], atol=0, rtol=0, msg=key)
+    assert meta["backend"] == "eager" and meta["model_class"] == "Nested"
+
+
+def test_factory_names() -> None:
+    assert is_factory("tests.fixtures.backends:build_nested")
+    assert not is_factory("bert-base-uncased") and not is_factory("./m")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no_such_pkg.models:build", "can't import 'no_such_pkg.models'"),
+        ("tests.fixtures.backends:missing", "has no function 'missing'"),
+        ("tests.fixtures.backends:read_dump", "failed"),
+        ("tests.fixtures.backends:_example", "returned Tensor; it must return an nn.Module"),
+    ],
+)
+def test_bad_factories_are_one_line_errors(spec: str, message: str) -> None:
+    with pytest.raises(InputError, match=message):
+        load_factory(spec)
+    r = runner.invoke(app, ["dump", spec, "-o", "x.safetensors"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert not Path("x.safetensors").exists()
