@@ -10,18 +10,20 @@ Metadata (`__metadata__`, all values strings, JSON where structured): see METADA
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
 import struct
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modeltap.errors import DumpFormatError, InputError, first_line
-from modeltap.stats import TensorStats, tensor_stats
+from modeltap.stats import TensorStats, begin_stats, dtype_name, tensor_stats
 
 if TYPE_CHECKING:
     import torch
@@ -78,6 +80,9 @@ _DTYPES = {
 
 _ALIGN = 8
 
+# Bytes a DumpWriter may hold copied but not yet written (its writer thread's buffer).
+DEFAULT_MAX_INFLIGHT = 32 << 20
+
 
 @functools.cache
 def _torch_dtype(code: str) -> Any:
@@ -118,6 +123,7 @@ class DumpWriter:
         dead_threshold: float = 0.0,
         row_mask: torch.Tensor | None = None,
         reserve: int = 1 << 16,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
     ) -> None:
         self.path = Path(path)
         check_writable(self.path)
@@ -131,6 +137,12 @@ class DumpWriter:
         self._offset = 0
         self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         self._file: Any = None
+        if max_inflight < 0:
+            raise InputError(f"max_inflight is {max_inflight}; give 0 (no writer thread) or more")
+        self.max_inflight = max_inflight
+        self._pipeline: _Pipeline | None = None
+        self._lock = threading.Lock()
+        self.peak_inflight = 0  # most bytes the writer thread held at once
 
     def __enter__(self) -> DumpWriter:
         self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in finish() or abort()
@@ -142,35 +154,56 @@ class DumpWriter:
             self.abort()
 
     def tensor(self, key: str, tensor: torch.Tensor, *, count_zeros: bool = False) -> None:
-        self.stats[key] = tensor_stats(
-            tensor,
-            dead_threshold=self.dead_threshold,
-            row_mask=self.row_mask,
-            count_zeros=count_zeros,
-        )
-        if self.stats_only:
-            return
-        dtype = _DTYPES.get(self.stats[key].dtype)
-        if dtype is None:
-            raise InputError(
-                f"can't store '{key}' of dtype {self.stats[key].dtype}; use --stats-only"
-            )
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(_byte_dtype())
-        size = data.numel()
-        if size:
-            self._file.write(memoryview(data.numpy()))
-        self._entries[key] = {
-            "dtype": dtype,
-            "shape": list(tensor.shape),
-            "data_offsets": [self._offset, self._offset + size],
+        """Take `tensor`'s statistics and bytes as they are now; they reach the file later.
+
+        What the writer thread will read is copied first (into a reused buffer of at most
+        `max_inflight` bytes, pinned for CUDA), so the model may change the tensor in place as
+        soon as this returns. When the buffer is full this waits for the thread (back-pressure);
+        a tensor bigger than the whole buffer is handled here once the thread has caught up.
+        """
+        dtype = dtype_name(tensor.dtype)
+        code = None if self.stats_only else _DTYPES.get(dtype)
+        if code is None and not self.stats_only:
+            raise InputError(f"can't store '{key}' of dtype {dtype}; use --stats-only")
+        x = tensor.detach()
+        options = {
+            "dead_threshold": self.dead_threshold,
+            "row_mask": self.row_mask,
+            "count_zeros": count_zeros,
         }
-        self._offset += size
+        with self._lock:
+            size = 0 if self.stats_only else x.numel() * x.element_size()
+            if code is not None:
+                self._entries[key] = {
+                    "dtype": code,
+                    "shape": list(x.shape),
+                    "data_offsets": [self._offset, self._offset + size],
+                }
+                self._offset += size
+            pipeline = self._pipeline
+            if pipeline is None and self.max_inflight and self._file is not None:
+                pipeline = self._pipeline = _Pipeline(self, self.max_inflight)
+            if pipeline is not None and pipeline.take(key, x, options, with_bytes=code is not None):
+                return
+            # Inline: nothing queued may be written after this tensor.
+            if pipeline is not None:
+                pipeline.drain()
+            self.stats[key] = tensor_stats(x, **options)
+            if size:
+                _write_bytes(self._file, x)
 
     def alias(self, key: str, target: str) -> None:
         self.aliases[key] = target
 
     def finish(self, metadata: dict[str, str]) -> Path:
         """Write the header, move the file into place, and return its path."""
+        if self._pipeline is not None:
+            try:
+                self._pipeline.close()
+            except BaseException:
+                self.abort()
+                raise
+            self._pipeline = None
         meta = dict(metadata)
         meta.update(
             format=FORMAT,
@@ -223,6 +256,186 @@ def _byte_dtype() -> torch.dtype:
     import torch
 
     return torch.uint8
+
+
+def _write_bytes(file: Any, tensor: torch.Tensor) -> None:
+    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(_byte_dtype())
+    if data.numel():
+        file.write(memoryview(data.numpy()))
+
+
+@dataclass
+class _Item:
+    """One tensor on its way to the file: a copy in the pipeline's buffer, or queued kernels."""
+
+    key: str
+    offset: int  # in the buffer
+    size: int  # bytes of the copy
+    charge: int  # buffer bytes held (padding and a wrapped ring's end included) until written
+    copy: torch.Tensor | None  # the tensor as it was, in the buffer
+    write: bool
+    options: dict[str, Any]
+    pending: Any = None  # stats.PendingStats of a CUDA tensor
+    numbers: torch.Tensor | None = None  # its numbers, copied to pinned memory
+    event: Any = None  # CUDA event after both copies
+
+
+class _Pipeline:
+    """A writer thread fed through one reused buffer of `capacity` bytes (a ring, FIFO).
+
+    The caller copies each tensor into the ring and goes on; the thread computes its statistics
+    from the copy and appends its bytes to the file, in order. A full ring makes the caller wait
+    (back-pressure), so the bytes in flight never exceed `capacity`. For CUDA tensors the ring is
+    pinned, the copies are non-blocking and the statistics run on the device; the thread waits
+    on one event per tensor and receives a few numbers with the bytes.
+    """
+
+    _ALIGN = 64
+
+    def __init__(self, writer: DumpWriter, capacity: int) -> None:
+        import torch
+
+        self.writer = writer
+        self.file = writer._file
+        self.capacity = capacity // self._ALIGN * self._ALIGN
+        self.buffer: torch.Tensor | None = None
+        self.head = self.tail = self.used = 0
+        self.peak = 0
+        self.queue: collections.deque[_Item] = collections.deque()
+        self.busy = False
+        self.stop = False
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+        # Reductions split across intra-op threads add up in a different order: the thread
+        # reduces with as many as its caller, so the statistics don't depend on where they ran.
+        self.threads = torch.get_num_threads()
+        self.thread = threading.Thread(target=self._run, name="modeltap-writer", daemon=True)
+        self.thread.start()
+
+    def take(self, key: str, x: torch.Tensor, options: dict[str, Any], *, with_bytes: bool) -> bool:
+        """Queue `x`; False when it is bigger than the ring (the caller handles it inline)."""
+        import torch
+
+        cuda = x.device.type == "cuda"
+        size = x.numel() * x.element_size() if (with_bytes or not cuda) else 0
+        charge = -(-size // self._ALIGN) * self._ALIGN
+        if charge > self.capacity:
+            return False
+        offset, charge = self._reserve(charge, pin=cuda)
+        copy = x if not size else None  # an empty tensor has nothing to keep
+        if size:
+            assert self.buffer is not None
+            copy = self.buffer[offset : offset + size].view(x.dtype).view(x.shape)
+            copy.copy_(x, non_blocking=cuda)
+        item = _Item(key, offset, size, charge, copy, with_bytes, options)
+        if cuda:
+            item.pending = begin_stats(x, **options)
+            if item.pending.numbers is not None:
+                item.numbers = torch.empty(
+                    item.pending.numbers.shape, dtype=torch.float64, pin_memory=True
+                )
+                item.numbers.copy_(item.pending.numbers, non_blocking=True)
+                item.pending.numbers = None
+            item.event = torch.cuda.Event()
+            item.event.record()
+        with self.cond:
+            self.queue.append(item)
+            self.cond.notify_all()
+        return True
+
+    def _reserve(self, size: int, *, pin: bool) -> tuple[int, int]:
+        """(offset, bytes charged) of `size` free bytes of the ring, waiting for the thread to
+        free them; the charge includes the ring's end when the block wraps to the start."""
+        import torch
+
+        if self.buffer is None and size:
+            self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
+        with self.cond:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                if not size:
+                    return 0, 0
+                if self.used == 0:
+                    self.head = self.tail = 0
+                if self.head > self.tail or self.used == 0:  # in use: [tail, head)
+                    if self.capacity - self.head >= size:
+                        offset, charge = self.head, size
+                        break
+                    if size <= self.tail:  # wrap; the ring's end stays unused meanwhile
+                        offset, charge = 0, size + self.capacity - self.head
+                        break
+                elif self.tail - self.head >= size:  # in use: [tail, end) and [0, head)
+                    offset, charge = self.head, size
+                    break
+                self.cond.wait()
+            self.head = offset + size
+            self.used += charge
+            self.peak = max(self.peak, self.used)
+        return offset, charge
+
+    def _release(self, item: _Item) -> None:
+        """Called in FIFO order, under the lock."""
+        if item.charge:
+            self.used -= item.charge
+            self.tail = -(-(item.offset + item.size) // self._ALIGN) * self._ALIGN
+            if self.used == 0:
+                self.head = self.tail = 0
+
+    def drain(self) -> None:
+        """Wait until every queued tensor is written; re-raise the thread's error."""
+        with self.cond:
+            while (self.queue or self.busy) and self.error is None:
+                self.cond.wait()
+            if self.error is not None:
+                raise self.error
+
+    def close(self) -> None:
+        self.drain()
+        with self.cond:
+            self.stop = True
+            self.cond.notify_all()
+        self.thread.join()
+        self.writer.peak_inflight = max(self.writer.peak_inflight, self.peak)
+
+    def _run(self) -> None:
+        import torch
+
+        torch.set_num_threads(self.threads)
+        while True:
+            with self.cond:
+                while not self.queue and not self.stop:
+                    # A writer aborted mid-run (its file closed) has nobody left to stop us.
+                    if not self.cond.wait(timeout=0.25) and self.file.closed:
+                        return
+                if not self.queue:
+                    return
+                item = self.queue.popleft()
+                self.busy = True
+            try:
+                self._process(item)
+            except BaseException as exc:  # handed to the caller at its next call
+                with self.cond:
+                    self.error = exc
+                    self.busy = False
+                    self.cond.notify_all()
+                return
+            with self.cond:
+                self._release(item)
+                self.busy = False
+                self.cond.notify_all()
+
+    def _process(self, item: _Item) -> None:
+        if item.event is not None:
+            item.event.synchronize()
+            numbers = None if item.numbers is None else item.numbers.tolist()
+            stats = item.pending.result(numbers)
+        else:
+            assert item.copy is not None
+            stats = tensor_stats(item.copy, **item.options)
+        self.writer.stats[item.key] = stats
+        if item.write and item.copy is not None:
+            _write_bytes(self.file, item.copy)
 
 
 @dataclass
