@@ -68,6 +68,8 @@ class Settings:
     probes: str = "rademacher"
     vanishing: float = 1e-7
     exploding: float = 1e3
+    # performance (#12): MiB the dump writer's thread may hold copied but not yet written
+    max_inflight_mb: int = 32
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
@@ -96,6 +98,7 @@ _TYPES: dict[str, type] = {
     "jacobian_norm": int,
     "vanishing": float,
     "exploding": float,
+    "max_inflight_mb": int,
 }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import math
 import os
 import struct
 import sys
@@ -517,7 +518,13 @@ class Dump:
         if target not in self.stored:
             raise KeyError(key)
         view = self._mapped(target) if sys.byteorder == "little" else None
-        return view if view is not None else self._handle.get_tensor(target)
+        if view is not None:
+            return view
+        if self._handle is None:
+            from safetensors import safe_open
+
+            self._handle = safe_open(str(self.path), framework="pt")
+        return self._handle.get_tensor(target)
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for key in self.keys():
@@ -526,6 +533,52 @@ class Dump:
 
     def stats_for(self, key: str) -> TensorStats | None:
         return self.stats.get(self.resolve(key))
+
+
+# Bytes per element of each safetensors dtype code modeltap writes (others are not size-checked).
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1}
+_ITEMSIZE |= {"U8": 1, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_ITEMSIZE |= {"C64": 8}
+
+
+def _checked_header(path: Path) -> tuple[dict[str, str], list[str]]:
+    """(metadata, tensor names sorted) of a safetensors file, checked as safetensors checks it:
+    a JSON header that fits, and tensors that tile the data exactly. ValueError if not."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError("file shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise ValueError(f"header length {n} runs past the end of the file")
+        header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("__metadata__ is not a map of strings")
+    spans = []
+    for name, info in header.items():
+        try:
+            begin, end = info["data_offsets"]
+            shape, code = info["shape"], info["dtype"]
+            numel = math.prod(shape)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"bad entry for tensor '{name}'") from exc
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+            raise ValueError(f"bad data offsets for tensor '{name}'")
+        if code in _ITEMSIZE and numel * _ITEMSIZE[code] != end - begin:
+            raise ValueError(f"tensor '{name}' has {end - begin} bytes for its shape and dtype")
+        spans.append((begin, end))
+    position = 0
+    for begin, end in sorted(spans):
+        if begin != position:
+            raise ValueError("tensor data overlaps or leaves gaps")
+        position = end
+    if position != size - 8 - n:
+        raise ValueError(f"{size - 8 - n} data bytes where the header describes {position}")
+    return metadata, sorted(header)
 
 
 def _read_header(path: Path) -> tuple[int, dict[str, Any]] | None:
@@ -541,21 +594,19 @@ def _read_header(path: Path) -> tuple[int, dict[str, Any]] | None:
 
 
 def load_dump(path: str | os.PathLike[str]) -> Dump:
-    """Open a dump (or any safetensors file) without reading its tensors."""
-    from safetensors import SafetensorError, safe_open
-
+    """Open a dump (or any safetensors file) without reading its tensors (nor importing torch:
+    the header is read and checked here; safetensors opens the file when a tensor is asked for)."""
     p = Path(path)
     if not p.is_file():
         raise InputError(f"no file '{p}'; check the path")
     try:
-        handle = safe_open(str(p), framework="pt")
-        metadata = handle.metadata() or {}
-        stored = list(handle.keys())
-    except (SafetensorError, OSError, ValueError) as exc:
+        metadata, stored = _checked_header(p)
+    except (OSError, ValueError) as exc:
         raise DumpFormatError(
             f"'{p}' is not a readable safetensors file ({first_line(exc)}); "
             "re-create it with `modeltap dump`"
         ) from exc
+    handle = None
     dump = Dump(p, dict(metadata), stored, _handle=handle)
     if metadata.get("format") != FORMAT:
         return dump

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modeltap.capture import hooks, run_model
-from modeltap.dump import DumpWriter
+from modeltap.dump import DEFAULT_MAX_INFLIGHT, DumpWriter
 from modeltap.loading import Inputs, check_forward_names
 from modeltap.selection import Selection, select_modules
 
@@ -56,12 +56,14 @@ def dump_model(
     activations: bool = True,
     mask_token_id: int | None = None,
     special_ids: tuple[int, ...] = (),
+    max_inflight: int = DEFAULT_MAX_INFLIGHT,
 ) -> Path:
     """Run `model` on `inputs` with the selected modules hooked and stream a dump to `out`.
 
     With `grads`, the forward runs with autograd on and one backward pass adds the gradients
     (keys under `grad/`); `activations=False` then leaves the activations out (`modeltap grads`).
-    Returns the path written. The file appears only if everything succeeded.
+    Returns the path written. The file appears only if everything succeeded. `max_inflight`:
+    bytes the writer thread may hold copied but not yet written (see `DumpWriter`).
     """
     import torch
 
@@ -76,6 +78,7 @@ def dump_model(
         row_mask=None if mask is None else mask.bool(),
         reserve=4096
         + _RESERVE_PER_MODULE * len(modules) * (1 + (capture_inputs or grads is not None)),
+        max_inflight=max_inflight,
     )
     if grads is not None:
         return _dump_with_grads(

@@ -19,6 +19,7 @@ from modeltap.cli.options import (
     InputFileOpt,
     JsonOpt,
     LossOpt,
+    MaxInflightOpt,
     ModelArg,
     ModelClassOpt,
     OutOpt,
@@ -73,6 +74,7 @@ def dump(
     grad_output: GradOutputOpt = None,
     params: ParamsOpt = None,
     config: ConfigOpt = None,
+    max_inflight: MaxInflightOpt = None,
 ) -> None:
     """Run a model on text or tensors and write every selected module's output to safetensors."""
     s = settings(
@@ -101,6 +103,7 @@ def dump(
         loss=loss,
         grad_output=grad_output,
         params=params,
+        max_inflight_mb=max_inflight,
     )
     run_dump(s, json_out=json_out, grads=s.grads, activations=True)
 
@@ -134,6 +137,8 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
         raise InputError("give TEXT or --input-file, not both")
     if not s.texts and not s.input_file:
         raise InputError("nothing to run on; give TEXT or --input-file")
+    if s.max_inflight_mb < 0:
+        raise InputError(f"--max-inflight is {s.max_inflight_mb}; give MiB >= 0 (0 writes inline)")
     path = Path(s.out) if s.out else default_out(s.model, grads_only=not activations)
     check_writable(path)
 
@@ -159,6 +164,7 @@ def run_dump(s: Settings, *, json_out: bool, grads: bool, activations: bool) -> 
             activations=activations,
             mask_token_id=getattr(tok, "mask_token_id", None),
             special_ids=tuple(getattr(tok, "all_special_ids", ())),
+            max_inflight=s.max_inflight_mb << 20,
         )
     from modeltap.cli.show import print_opened
     from modeltap.dump import load_dump

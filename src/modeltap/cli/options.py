@@ -92,3 +92,11 @@ VanishingOpt = Annotated[
 ExplodingOpt = Annotated[
     float | None, typer.Option(help="Flag gradients with a norm above this [default: 1e3].")
 ]
+MaxInflightOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-inflight",
+        help="MiB of tensors copied but not yet written that the writer thread may hold "
+        "(pinned for CUDA); the run waits when it is full; 0 writes inline [default: 32].",
+    ),
+]
