@@ -83,6 +83,9 @@ _ALIGN = 8
 
 # Bytes a DumpWriter may hold copied but not yet written (its writer thread's buffer).
 DEFAULT_MAX_INFLIGHT = 32 << 20
+# CPU tensors smaller than this are done in the caller: handing them to the thread costs more
+# (a copy, and the thread's Python competing for the GIL) than it saves.
+_THREAD_MIN_BYTES = 1 << 20
 
 
 @functools.cache
@@ -144,6 +147,8 @@ class DumpWriter:
         self._pipeline: _Pipeline | None = None
         self._lock = threading.Lock()
         self.peak_inflight = 0  # most bytes the writer thread held at once
+        self._stats_order: list[str] = []  # the header lists statistics in call order
+        self._flushed = False
 
     def __enter__(self) -> DumpWriter:
         self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in finish() or abort()
@@ -155,12 +160,13 @@ class DumpWriter:
             self.abort()
 
     def tensor(self, key: str, tensor: torch.Tensor, *, count_zeros: bool = False) -> None:
-        """Take `tensor`'s statistics and bytes as they are now; they reach the file later.
+        """Take `tensor`'s statistics and bytes as they are now (the model may change it in place
+        as soon as this returns).
 
-        What the writer thread will read is copied first (into a reused buffer of at most
-        `max_inflight` bytes, pinned for CUDA), so the model may change the tensor in place as
-        soon as this returns. When the buffer is full this waits for the thread (back-pressure);
-        a tensor bigger than the whole buffer is handled here once the thread has caught up.
+        Small tensors are done here and now, written at their offset. A large one (or any CUDA
+        tensor) is copied into a reused buffer of at most `max_inflight` bytes (pinned for CUDA)
+        and left to the writer thread; when the buffer is full this waits (back-pressure). One
+        bigger than the whole buffer is done here too.
         """
         dtype = dtype_name(tensor.dtype)
         code = None if self.stats_only else _DTYPES.get(dtype)
@@ -173,7 +179,9 @@ class DumpWriter:
             "count_zeros": count_zeros,
         }
         with self._lock:
-            size = 0 if self.stats_only else x.numel() * x.element_size()
+            nbytes = x.numel() * x.element_size()
+            size = 0 if code is None else nbytes
+            position = 8 + self._reserve + self._offset
             if code is not None:
                 self._entries[key] = {
                     "dtype": code,
@@ -181,17 +189,19 @@ class DumpWriter:
                     "data_offsets": [self._offset, self._offset + size],
                 }
                 self._offset += size
-            pipeline = self._pipeline
-            if pipeline is None and self.max_inflight and self._file is not None:
-                pipeline = self._pipeline = _Pipeline(self, self.max_inflight)
-            if pipeline is not None and pipeline.take(key, x, options, with_bytes=code is not None):
-                return
-            # Inline: nothing queued may be written after this tensor.
-            if pipeline is not None:
-                pipeline.drain()
-            self.stats[key] = tensor_stats(x, **options)
+            self._stats_order.append(key)
+            if self._file is not None and not self._flushed:
+                self._file.flush()  # from here on, data goes in with pwrite at its offset
+                self._flushed = True
+            threaded = x.device.type != "cpu" or nbytes >= _THREAD_MIN_BYTES
+            if threaded and self.max_inflight and self._file is not None:
+                if self._pipeline is None:
+                    self._pipeline = _Pipeline(self, self.max_inflight)
+                if self._pipeline.take(key, x, options, position=position, write=code is not None):
+                    return
+            self.stats[key] = begin_stats(x, **options).result()
             if size:
-                _write_bytes(self._file, x)
+                _write_at(self._file.fileno(), x, position)
 
     def alias(self, key: str, target: str) -> None:
         self.aliases[key] = target
@@ -210,7 +220,9 @@ class DumpWriter:
             format=FORMAT,
             format_version=str(FORMAT_VERSION),
             aliases=json.dumps(self.aliases),
-            stats=json.dumps({k: s.to_json() for k, s in self.stats.items()}),
+            stats=json.dumps(
+                {k: self.stats[k].to_json() for k in dict.fromkeys(self._stats_order)}
+            ),
             stats_only=str(self.stats_only).lower(),
             dead_threshold=repr(float(self.dead_threshold)),
         )
@@ -259,10 +271,26 @@ def _byte_dtype() -> torch.dtype:
     return torch.uint8
 
 
-def _write_bytes(file: Any, tensor: torch.Tensor) -> None:
+def _write_at(fd: int, tensor: torch.Tensor, position: int) -> None:
+    """The tensor's bytes into the file at `position` (pwrite: the thread and the caller write
+    different parts of the file at once)."""
     data = tensor.detach().to("cpu").contiguous().reshape(-1).view(_byte_dtype())
-    if data.numel():
-        file.write(memoryview(data.numpy()))
+    view = memoryview(data.numpy())
+    while view.nbytes:
+        n = os.pwrite(fd, view, position)
+        view, position = view[n:], position + n
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Whether x's elements fill their memory exactly once (any order of dims)."""
+    expected = 1
+    for stride, size in sorted(
+        (st, sz) for sz, st in zip(x.shape, x.stride(), strict=True) if sz != 1
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 @dataclass
@@ -270,6 +298,7 @@ class _Item:
     """One tensor on its way to the file: a copy in the pipeline's buffer, or queued kernels."""
 
     key: str
+    position: int  # in the file
     offset: int  # in the buffer
     size: int  # bytes of the copy
     charge: int  # buffer bytes held (padding and a wrapped ring's end included) until written
@@ -313,22 +342,27 @@ class _Pipeline:
         self.thread = threading.Thread(target=self._run, name="modeltap-writer", daemon=True)
         self.thread.start()
 
-    def take(self, key: str, x: torch.Tensor, options: dict[str, Any], *, with_bytes: bool) -> bool:
+    def take(
+        self, key: str, x: torch.Tensor, options: dict[str, Any], *, position: int, write: bool
+    ) -> bool:
         """Queue `x`; False when it is bigger than the ring (the caller handles it inline)."""
         import torch
 
         cuda = x.device.type == "cuda"
-        size = x.numel() * x.element_size() if (with_bytes or not cuda) else 0
+        size = x.numel() * x.element_size() if (write or not cuda) else 0
         charge = -(-size // self._ALIGN) * self._ALIGN
-        if charge > self.capacity:
+        if charge > self.capacity or not (cuda or _dense(x)):
             return False
         offset, charge = self._reserve(charge, pin=cuda)
         copy = x if not size else None  # an empty tensor has nothing to keep
         if size:
             assert self.buffer is not None
-            copy = self.buffer[offset : offset + size].view(x.dtype).view(x.shape)
+            flat = self.buffer[offset : offset + size].view(x.dtype)
+            # The copy keeps the tensor's strides: torch's sums add up in an order that follows
+            # the memory layout, and the statistics must not depend on where they were taken.
+            copy = flat.view(x.shape) if cuda else flat.as_strided(x.shape, x.stride())
             copy.copy_(x, non_blocking=cuda)
-        item = _Item(key, offset, size, charge, copy, with_bytes, options)
+        item = _Item(key, position, offset, size, charge, copy, write, options)
         if cuda:
             item.pending = begin_stats(x, **options)
             if item.pending.numbers is not None:
@@ -435,8 +469,8 @@ class _Pipeline:
             assert item.copy is not None
             stats = tensor_stats(item.copy, **item.options)
         self.writer.stats[item.key] = stats
-        if item.write and item.copy is not None:
-            _write_bytes(self.file, item.copy)
+        if item.write and item.copy is not None and item.size:
+            _write_at(self.file.fileno(), item.copy, item.position)
 
 
 @dataclass
