@@ -179,3 +179,17 @@ def test_help_does_not_import_torch():
         [sys.executable, "-m", "modeltap", "--help"], capture_output=True, text=True, check=True
     )
     assert "dump" in help_run.stdout
+
+
+def test_max_inflight_flag(bert_dir, tmp_path):
+    inline = invoke("dump", bert_dir, "hello", "--max-inflight", "0", "-o", "a.safetensors")
+    assert inline.exit_code == 0, inline.output
+    threaded = invoke("dump", bert_dir, "hello", "--max-inflight", "1", "-o", "b.safetensors")
+    assert threaded.exit_code == 0, threaded.output
+    a, b = load_file(tmp_path / "a.safetensors"), load_file(tmp_path / "b.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_clean_error(
+        invoke("dump", bert_dir, "hello", "--max-inflight", "-1", "-o", "c.safetensors"),
+        "--max-inflight",
+    )
+    assert not (tmp_path / "c.safetensors").exists()
