@@ -134,6 +134,8 @@ class DumpWriter:
         self.stats_only = stats_only
         self.dead_threshold = dead_threshold
         self.row_mask = row_mask
+        # A mask that keeps every row changes nothing: checked once here, not once per tensor.
+        self._stats_mask = None if row_mask is None or bool(row_mask.all()) else row_mask
         self.stats: dict[str, TensorStats] = {}
         self.aliases: dict[str, str] = {}
         self._entries: dict[str, dict[str, Any]] = {}
@@ -175,7 +177,7 @@ class DumpWriter:
         x = tensor.detach()
         options = {
             "dead_threshold": self.dead_threshold,
-            "row_mask": self.row_mask,
+            "row_mask": self._stats_mask,
             "count_zeros": count_zeros,
         }
         with self._lock:
