@@ -134,8 +134,9 @@ class DumpWriter:
         self.stats_only = stats_only
         self.dead_threshold = dead_threshold
         self.row_mask = row_mask
-        # A mask that keeps every row changes nothing: checked once here, not once per tensor.
-        self._stats_mask = None if row_mask is None or bool(row_mask.all()) else row_mask
+        # A mask that keeps every row changes nothing: checked once here, not once per tensor;
+        # kept on the CPU, where looking at it costs a CUDA tensor no sync.
+        self._stats_mask = None if row_mask is None or bool(row_mask.all()) else row_mask.cpu()
         self.stats: dict[str, TensorStats] = {}
         self.aliases: dict[str, str] = {}
         self._entries: dict[str, dict[str, Any]] = {}

@@ -358,16 +358,15 @@ def _device_stats(
         if count_zeros:
             pieces.append(torch.count_nonzero(chunk))
         if units:
-            kept = chunk if keep is None else chunk[keep[start : start + chunk.shape[0]]]
-            if kept.shape[0]:
-                # NaN never makes a unit alive; +inf does, -inf doesn't.
-                alive = kept.masked_fill(torch.isnan(kept), -math.inf).amax(dim=0)
-                unit_max = alive if unit_max is None else torch.maximum(unit_max, alive)
-    if units:
-        if unit_max is None:
-            pieces.append(torch.full((), units, device=x.device))
-        else:
-            pieces.append((unit_max <= dead_threshold).sum())
+            # NaN never makes a unit alive; +inf does, -inf doesn't. Left-out rows become -inf
+            # rather than being indexed away, which would sync to learn how many remain.
+            dropped = torch.isnan(chunk)
+            if keep is not None:
+                dropped |= ~keep[start : start + chunk.shape[0], None]
+            alive = chunk.masked_fill(dropped, -math.inf).amax(dim=0)
+            unit_max = alive if unit_max is None else torch.maximum(unit_max, alive)
+    if unit_max is not None:
+        pieces.append((unit_max <= dead_threshold).sum())
     numbers = torch.stack([p.to(torch.float64) for p in pieces])
     return PendingStats(base, numbers, chunks, units, count_zeros)
 
@@ -376,8 +375,9 @@ def _rows_to_keep(x: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tenso
     """A bool per row of x.reshape(-1, units), or None when every row counts."""
     if row_mask is None or x.dim() < 3 or tuple(x.shape[:2]) != tuple(row_mask.shape):
         return None
-    mask = row_mask.to(device=x.device, dtype=bool)
-    if bool(mask.all()):
+    # Checked where the mask lives (a CPU mask costs a CUDA tensor no sync), then moved.
+    if bool(row_mask.all()):
         return None
+    mask = row_mask.to(device=x.device, dtype=bool)
     middle = x.shape[2:-1]
     return mask.reshape(*mask.shape, *([1] * len(middle))).expand(*x.shape[:-1]).reshape(-1)
