@@ -86,6 +86,8 @@ DEFAULT_MAX_INFLIGHT = 32 << 20
 # CPU tensors smaller than this are done in the caller: handing them to the thread costs more
 # (a copy, and the thread's Python competing for the GIL) than it saves.
 _THREAD_MIN_BYTES = 1 << 20
+# Small tensors' bytes are gathered up to this much before one write.
+_STAGE_BYTES = 1 << 20
 
 
 @functools.cache
@@ -152,6 +154,8 @@ class DumpWriter:
         self.peak_inflight = 0  # most bytes the writer thread held at once
         self._stats_order: list[str] = []  # the header lists statistics in call order
         self._flushed = False
+        self._staged = bytearray()  # small tensors' bytes, written together
+        self._staged_at = 0
 
     def __enter__(self) -> DumpWriter:
         self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in finish() or abort()
@@ -203,21 +207,41 @@ class DumpWriter:
                 if self._pipeline.take(key, x, options, position=position, write=code is not None):
                     return
             self.stats[key] = begin_stats(x, **options).result()
-            if size:
+            if size and not threaded:
+                self._stage(x, position)
+            elif size:
                 _write_at(self._file.fileno(), x, position)
+
+    def _stage(self, x: torch.Tensor, position: int) -> None:
+        """Collect small tensors' bytes and write them in one go: a syscall per tensor costs more
+        than the copy."""
+        if self._staged and (
+            position != self._staged_at + len(self._staged) or len(self._staged) >= _STAGE_BYTES
+        ):
+            self._write_staged()
+        if not self._staged:
+            self._staged_at = position
+        self._staged += _byte_view(x)
+
+    def _write_staged(self) -> None:
+        if self._staged:
+            _pwrite_all(self._file.fileno(), memoryview(self._staged), self._staged_at)
+            self._staged = bytearray()
 
     def alias(self, key: str, target: str) -> None:
         self.aliases[key] = target
 
     def finish(self, metadata: dict[str, str]) -> Path:
         """Write the header, move the file into place, and return its path."""
-        if self._pipeline is not None:
-            try:
+        try:
+            if self._pipeline is not None:
                 self._pipeline.close()
-            except BaseException:
-                self.abort()
-                raise
-            self._pipeline = None
+                self._pipeline = None
+            if self._file is not None:
+                self._write_staged()
+        except BaseException:
+            self.abort()
+            raise
         meta = dict(metadata)
         meta.update(
             format=FORMAT,
@@ -274,14 +298,21 @@ def _byte_dtype() -> torch.dtype:
     return torch.uint8
 
 
-def _write_at(fd: int, tensor: torch.Tensor, position: int) -> None:
-    """The tensor's bytes into the file at `position` (pwrite: the thread and the caller write
-    different parts of the file at once)."""
+def _byte_view(tensor: torch.Tensor) -> memoryview:
     data = tensor.detach().to("cpu").contiguous().reshape(-1).view(_byte_dtype())
-    view = memoryview(data.numpy())
+    return memoryview(data.numpy())
+
+
+def _pwrite_all(fd: int, view: memoryview, position: int) -> None:
     while view.nbytes:
         n = os.pwrite(fd, view, position)
         view, position = view[n:], position + n
+
+
+def _write_at(fd: int, tensor: torch.Tensor, position: int) -> None:
+    """The tensor's bytes into the file at `position` (pwrite: the thread and the caller write
+    different parts of the file at once)."""
+    _pwrite_all(fd, _byte_view(tensor), position)
 
 
 def _dense(x: torch.Tensor) -> bool:
