@@ -193,3 +193,21 @@ def test_max_inflight_flag(bert_dir, tmp_path):
         "--max-inflight",
     )
     assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_ls_of_a_folder_opens_only_the_config(bert_dir):
+    code = f"""
+import os, sys
+root = os.path.realpath({str(bert_dir)!r})
+opened = set()
+def hook(event, args):
+    if event == "open" and isinstance(args[0], str) and os.path.realpath(args[0]).startswith(root):
+        opened.add(os.path.basename(args[0]))
+sys.addaudithook(hook)
+from typer.testing import CliRunner
+from modeltap.cli import app
+result = CliRunner().invoke(app, ["ls", root])
+print(result.exit_code, sorted(opened))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "0 ['config.json']"
