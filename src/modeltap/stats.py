@@ -245,16 +245,20 @@ def _cpu_stats(
         # Two passes with torch's cascade summation: accurate to ~1e-8 and 10x faster than Welford.
         mean = float(chunk.sum()) / count
         values = chunk.numpy()
-        m2 = _centered_square_sum(chunk, values, mean) if math.isfinite(mean) else math.nan
-        if math.isfinite(m2):
+        passed = _centered_pass(chunk, values, mean, count_zeros) if math.isfinite(mean) else None
+        if passed is not None and math.isfinite(passed[0]):
+            m2, chunk_min, chunk_alive, nonzero = passed
             moments.add(count, mean, m2)
-            lo = min(lo, float(values.min()))
-            # With every row kept, the per-unit maxima below give the max: one pass fewer.
-            max_from_units = x.dim() >= 2 and keep is None
-            if not max_from_units:
+            lo = min(lo, chunk_min)
+            zeros += count - nonzero
+            if keep is None:  # every row counts: the per-unit maxima give the max as well
+                hi = max(hi, float(chunk_alive.max()))
+                alive = chunk_alive
+            else:
                 hi = max(hi, float(values.max()))
+                kept = values[keep[start : start + step]]
+                alive = kept.max(axis=0) if kept.shape[0] else None
         else:
-            max_from_units = False
             # NaN/Inf present (or float32 overflowed): count them; moments of the finite values.
             is_nan, is_inf = torch.isnan(chunk), torch.isinf(chunk)
             nan += int(is_nan.sum())
@@ -266,15 +270,12 @@ def _cpu_stats(
                 lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
             # NaN never makes a unit alive; +inf does, -inf doesn't.
             values = chunk.masked_fill(is_nan, -math.inf).numpy()
-        if count_zeros:
-            zeros += count - int(np.count_nonzero(values))
-        if x.dim() >= 2:
+            if count_zeros:
+                zeros += count - int(np.count_nonzero(values))
             kept = values if keep is None else values[keep[start : start + step]]
-            if kept.shape[0]:
-                alive = kept.max(axis=0)
-                unit_max = alive if unit_max is None else np.maximum(unit_max, alive)
-                if max_from_units:
-                    hi = max(hi, float(alive.max()))
+            alive = kept.max(axis=0) if kept.shape[0] else None
+        if alive is not None:
+            unit_max = alive if unit_max is None else np.maximum(unit_max, alive)
 
     result: dict[str, Any] = dict(base, nan=nan, inf=inf)
     if moments.n:
@@ -299,15 +300,28 @@ def _cpu_stats(
 _LOCAL = threading.local()
 
 
-def _centered_square_sum(chunk: torch.Tensor, values: Any, mean: float) -> float:
-    """sum((chunk - mean)^2) in chunk's dtype: the elementwise part in numpy (exactly what torch
-    computes: mean rounded to the dtype, one rounding per operation), the sum by torch."""
+# Rows of about this many elements go through the centred pass together, so that the block read
+# for the subtraction is still in cache for the square, the min, the per-unit max and the zeros.
+_BLOCK = 1 << 16
+
+
+def _centered_pass(
+    chunk: torch.Tensor, values: Any, mean: float, count_zeros: bool
+) -> tuple[float, float, Any, int] | None:
+    """(sum((chunk - mean)^2), min, per-unit max, non-zero count) of a [rows, units] chunk in one
+    read of it, block by block; None if it is too wide for the buffer.
+
+    The square sum is what torch has always computed, to the bit: the elementwise part in numpy
+    (the mean rounded to the dtype, one rounding per operation, as torch does), into one buffer
+    that torch then sums whole, in its own order. Extremes and counts are exact whatever the
+    order. NaN/Inf make the sum non-finite and the caller starts over.
+    """
     import numpy as np
     import torch
 
     count = chunk.numel()
     if count > CHUNK_ELEMENTS:
-        return float((chunk - mean).square_().sum())
+        return None
     buffers = getattr(_LOCAL, "buffers", None)
     if buffers is None:
         buffers = _LOCAL.buffers = {}
@@ -315,10 +329,24 @@ def _centered_square_sum(chunk: torch.Tensor, values: Any, mean: float) -> float
     if buffer is None or buffer.numel() < CHUNK_ELEMENTS:
         buffer = buffers[chunk.dtype] = torch.empty(CHUNK_ELEMENTS, dtype=chunk.dtype)
     flat = buffer[:count]
-    out = flat.numpy().reshape(chunk.shape)
-    np.subtract(values, values.dtype.type(mean), out=out)
-    np.square(out, out=out)
-    return float(flat.sum())
+    out = flat.numpy().reshape(values.shape)
+    center = values.dtype.type(mean)
+    rows = values.shape[0]
+    step = max(1, _BLOCK // max(1, values.shape[1]))
+    lo = math.inf
+    alive = None
+    nonzero = 0
+    for start in range(0, rows, step):
+        part = values[start : start + step] if step < rows else values
+        into = out[start : start + step] if step < rows else out
+        np.subtract(part, center, out=into)
+        np.square(into, out=into)
+        lo = min(lo, float(part.min()))
+        block_max = part.max(axis=0)
+        alive = block_max if alive is None else np.maximum(alive, block_max)
+        if count_zeros:
+            nonzero += int(np.count_nonzero(part))
+    return float(flat.sum()), lo, alive, nonzero
 
 
 def _device_stats(
