@@ -406,7 +406,7 @@ class _Pipeline:
                 item.numbers.copy_(item.pending.numbers, non_blocking=True)
                 item.pending.numbers = None
             item.event = torch.cuda.Event()
-            item.event.record()
+            item.event.record(torch.cuda.current_stream(x.device))  # where x's copies queued
         with self.cond:
             self.queue.append(item)
             self.cond.notify_all()
