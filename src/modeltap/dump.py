@@ -361,6 +361,9 @@ class _Pipeline:
 
         self.writer = writer
         self.file = writer._file
+        # The thread's own descriptor: should the writer be aborted and its file closed while a
+        # write is under way, the number can't be reused by another file meanwhile.
+        self.fd = os.dup(self.file.fileno())
         self.capacity = capacity // self._ALIGN * self._ALIGN
         self.buffer: torch.Tensor | None = None
         self.head = self.tail = self.used = 0
@@ -471,13 +474,19 @@ class _Pipeline:
         import torch
 
         torch.set_num_threads(self.threads)
+        try:
+            self._loop()
+        finally:
+            os.close(self.fd)
+
+    def _loop(self) -> None:
         while True:
             with self.cond:
                 while not self.queue and not self.stop:
                     # A writer aborted mid-run (its file closed) has nobody left to stop us.
                     if not self.cond.wait(timeout=0.25) and self.file.closed:
                         return
-                if not self.queue:
+                if not self.queue or self.file.closed:
                     return
                 item = self.queue.popleft()
                 self.busy = True
@@ -504,7 +513,7 @@ class _Pipeline:
             stats = tensor_stats(item.copy, **item.options)
         self.writer.stats[item.key] = stats
         if item.write and item.copy is not None and item.size:
-            _write_at(self.file.fileno(), item.copy, item.position)
+            _write_at(self.fd, item.copy, item.position)
 
 
 @dataclass
