@@ -348,7 +348,8 @@ class _Pipeline:
     """A writer thread fed through one reused buffer of `capacity` bytes (a ring, FIFO).
 
     The caller copies each tensor into the ring and goes on; the thread computes its statistics
-    from the copy and appends its bytes to the file, in order. A full ring makes the caller wait
+    from the copy and writes its bytes at their place in the file, in queue order (FIFO, which
+    frees the ring from its tail). A full ring makes the caller wait
     (back-pressure), so the bytes in flight never exceed `capacity`. For CUDA tensors the ring is
     pinned, the copies are non-blocking and the statistics run on the device; the thread waits
     on one event per tensor and receives a few numbers with the bytes.
