@@ -264,6 +264,7 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--startup", action="store_true", help="only the start-up figures")
+    parser.add_argument("--workload", choices=["minilm", "bert-base"], help="only this workload")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -279,6 +280,8 @@ def main() -> None:
     if not args.startup:
         for workload in WORKLOADS:
             small = workload.startswith("MiniLM")
+            if args.workload and args.workload != ("minilm" if small else "bert-base"):
+                continue
             reps = (10 if args.quick else 30) if small else (3 if args.quick else 5)
             scale, unit = (1e3, "ms") if small else (1.0, "s")
             for figure in FIGURES:
@@ -304,6 +307,8 @@ def main() -> None:
                 f"{'met' if ratio <= 1.1 else 'MISSED'} |",
                 flush=True,
             )
+    if args.workload:
+        return
     for name, seconds in startup(3 if args.quick else 5).items():
         target = {"show (MiniLM dump)": 0.5, "diff (two MiniLM dumps)": 1.5}.get(name)
         mark = (

@@ -156,6 +156,8 @@ class DumpWriter:
         self._flushed = False
         self._staged = bytearray()  # small tensors' bytes, written together
         self._staged_at = 0
+        self._deferred: list[tuple[str, torch.Tensor, dict[str, Any], int | None]] = []
+        self._deferred_bytes = 0
 
     def __enter__(self) -> DumpWriter:
         self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in finish() or abort()
@@ -206,11 +208,26 @@ class DumpWriter:
                     self._pipeline = _Pipeline(self, self.max_inflight)
                 if self._pipeline.take(key, x, options, position=position, write=code is not None):
                     return
+            if not threaded and _dense(x):
+                # Kept as it is now and done with others later, in one tight loop: between the
+                # model's kernels the per-tensor overhead is several times what it is in a row.
+                self._deferred.append((key, x.clone(), options, position if size else None))
+                self._deferred_bytes += nbytes
+                if self._deferred_bytes >= _STAGE_BYTES:
+                    self._run_deferred()
+                return
             self.stats[key] = begin_stats(x, **options).result()
             if size and not threaded:
                 self._stage(x, position)
             elif size:
                 _write_at(self._file.fileno(), x, position)
+
+    def _run_deferred(self) -> None:
+        for key, x, options, position in self._deferred:
+            self.stats[key] = begin_stats(x, **options).result()
+            if position is not None:
+                self._stage(x, position)
+        self._deferred, self._deferred_bytes = [], 0
 
     def _stage(self, x: torch.Tensor, position: int) -> None:
         """Collect small tensors' bytes and write them in one go: a syscall per tensor costs more
@@ -237,6 +254,8 @@ class DumpWriter:
             if self._pipeline is not None:
                 self._pipeline.close()
                 self._pipeline = None
+            with self._lock:
+                self._run_deferred()
             if self._file is not None:
                 self._write_staged()
         except BaseException:
