@@ -323,12 +323,21 @@ def run_grads(
             )
         v = seed_tensor(spec.grad_output, y, generator) if y.dim() else torch.ones_like(y)
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        sources: list[Any] = [p for _, p in params] + leaves
         if not spec.params and sink.edges:
-            sources = list(sink.edges)  # the same hooks fire, no weight gradient is computed
-        results = torch.autograd.grad(
-            y, sources, grad_outputs=v, allow_unused=True, retain_graph=spec.jacobian_norm > 0
-        )
+            # Only down to the hooked tensors: the same hooks fire, no weight gradient is
+            # computed, and nothing is held but what the hooks stream away.
+            torch.autograd.backward(
+                y, v, retain_graph=spec.jacobian_norm > 0, inputs=list(sink.edges)
+            )
+            results: Sequence[Any] = ()
+        else:
+            results = torch.autograd.grad(
+                y,
+                [p for _, p in params] + leaves,
+                grad_outputs=v,
+                allow_unused=True,
+                retain_graph=spec.jacobian_norm > 0,
+            )
         sink.live = False
         reached = set(sink.written)
         for key in sink.hooked:
