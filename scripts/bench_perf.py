@@ -265,6 +265,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--startup", action="store_true", help="only the start-up figures")
     parser.add_argument("--workload", choices=["minilm", "bert-base"], help="only this workload")
+    parser.add_argument("--figure", choices=[*FIGURES, "rss"], help="only this figure")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -285,6 +286,8 @@ def main() -> None:
             reps = (10 if args.quick else 30) if small else (3 if args.quick else 5)
             scale, unit = (1e3, "ms") if small else (1.0, "s")
             for figure in FIGURES:
+                if args.figure and args.figure != figure:
+                    continue
                 r = json.loads(child("time", workload, figure, reps))
                 ratio = r["ours"] / r["bare"]
                 target = TARGETS.get((workload, figure))
@@ -299,6 +302,8 @@ def main() -> None:
                     f"| {r['ours'] * scale:.3g} {unit} | {ratio:.2f} | {mark} |",
                     flush=True,
                 )
+            if args.figure and args.figure != "rss":
+                continue
             rss = {side: int(child("rss", workload, side)) for side in ("forward", "dump")}
             ratio = rss["dump"] / rss["forward"]
             print(
@@ -307,7 +312,7 @@ def main() -> None:
                 f"{'met' if ratio <= 1.1 else 'MISSED'} |",
                 flush=True,
             )
-    if args.workload:
+    if args.workload or args.figure:
         return
     for name, seconds in startup(3 if args.quick else 5).items():
         target = {"show (MiniLM dump)": 0.5, "diff (two MiniLM dumps)": 1.5}.get(name)
