@@ -289,3 +289,35 @@ def test_pickled_input_file_gets_modeltaps_own_hint(bert_dir, tmp_path):
     result = invoke("dump", bert_dir, "--input-file", "x.pt", "-o", "d.safetensors")
     assert_clean_error(result, "never unpickles", tmp_path)
     assert "weights_only" not in result.stderr and "safetensors" in result.stderr
+
+
+def test_max_inflight_flag(bert_dir, tmp_path):
+    inline = invoke("dump", bert_dir, "hello", "--max-inflight", "0", "-o", "a.safetensors")
+    assert inline.exit_code == 0, inline.output
+    threaded = invoke("dump", bert_dir, "hello", "--max-inflight", "1", "-o", "b.safetensors")
+    assert threaded.exit_code == 0, threaded.output
+    a, b = load_file(tmp_path / "a.safetensors"), load_file(tmp_path / "b.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_clean_error(
+        invoke("dump", bert_dir, "hello", "--max-inflight", "-1", "-o", "c.safetensors"),
+        "--max-inflight",
+    )
+    assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_ls_of_a_folder_opens_only_the_config(bert_dir):
+    code = f"""
+import os, sys
+root = os.path.realpath({str(bert_dir)!r})
+opened = set()
+def hook(event, args):
+    if event == "open" and isinstance(args[0], str) and os.path.realpath(args[0]).startswith(root):
+        opened.add(os.path.basename(args[0]))
+sys.addaudithook(hook)
+from typer.testing import CliRunner
+from modeltap.cli import app
+result = CliRunner().invoke(app, ["ls", root])
+print(result.exit_code, sorted(opened))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "0 ['config.json']"

@@ -205,3 +205,170 @@ def test_stale_temp_files_of_dead_writers_are_removed(tmp_path):
     with DumpWriter(tmp_path / "new.safetensors") as writer:
         writer.finish({})
     assert not stale.exists() and live.exists() and unrelated.exists()
+
+
+# ---- the writer thread (issue #12) --------------------------------------------------------
+
+
+def _mixed_tensors():
+    g = torch.Generator().manual_seed(5)
+    return {
+        "contiguous": torch.randn(6, 7, 16, generator=g),
+        "permuted": torch.randn(4, 6, 3, 8, generator=g).permute(0, 2, 1, 3),
+        "transposed": torch.randn(40, 24, generator=g).t(),
+        "strided": torch.randn(10, 30, generator=g)[:, ::3],
+        "bf16": torch.randn(5, 9, generator=g).to(torch.bfloat16),
+        "ints": torch.arange(24, dtype=torch.int64).reshape(4, 6),
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(3.5),
+    }
+
+
+def _write_all(path, tensors, *, mutate, **kwargs):
+    with DumpWriter(path, **kwargs) as writer:
+        for key, value in tensors.items():
+            writer.tensor(key, value, count_zeros=True)
+            if mutate and value.numel():
+                value.add_(1)  # the model changes it in place right after its module returned
+        writer.finish({"model": "x"})
+    return writer
+
+
+@pytest.mark.parametrize("cap", [0, 64, 1000, 1 << 20])
+def test_threaded_writes_equal_inline_and_keep_values_as_they_were(tmp_path, monkeypatch, cap):
+    import modeltap.dump as dump_module
+
+    expected = {k: v.clone() for k, v in _mixed_tensors().items()}
+    inline = _write_all(
+        tmp_path / "inline.safetensors", _mixed_tensors(), mutate=True, max_inflight=0
+    )
+    monkeypatch.setattr(dump_module, "_THREAD_MIN_BYTES", 0)  # every tensor through the thread
+    threaded = _write_all(
+        tmp_path / "t.safetensors", _mixed_tensors(), mutate=True, max_inflight=cap
+    )
+    on_disk = load_file(tmp_path / "t.safetensors")  # safetensors' own reader
+    for key, value in expected.items():
+        assert torch.equal(on_disk[key], value.contiguous()), key
+        if value.numel() and value.is_floating_point():
+            ref = value.double()
+            assert threaded.stats[key].norm == pytest.approx(float(ref.norm()), rel=1e-6)
+            assert threaded.stats[key].max == float(ref.max())
+    # Same bytes and statistics whichever thread computed them, down to the last bit.
+    assert (tmp_path / "t.safetensors").read_bytes() == (
+        tmp_path / "inline.safetensors"
+    ).read_bytes()
+    assert threaded.peak_inflight <= cap and inline.peak_inflight == 0
+
+
+def test_back_pressure_holds_the_cap_with_a_slow_file(tmp_path, monkeypatch):
+    import time
+
+    import modeltap.dump as dump_module
+
+    monkeypatch.setattr(dump_module, "_THREAD_MIN_BYTES", 0)
+    real_write = dump_module._write_at
+    writes = []
+
+    def slow_write(fd, tensor, position):
+        time.sleep(0.01)  # a disk much slower than the model
+        writes.append(position)
+        real_write(fd, tensor, position)
+
+    monkeypatch.setattr(dump_module, "_write_at", slow_write)
+    tensors = {f"t{i}": torch.full((64,), float(i)) for i in range(30)}  # 256 bytes each
+    cap = 3 * 256
+    with DumpWriter(tmp_path / "d.safetensors", max_inflight=cap) as writer:
+        start = time.perf_counter()
+        for key, value in tensors.items():
+            writer.tensor(key, value)
+        queued = time.perf_counter() - start
+        path = writer.finish({})
+    # The caller had to wait for the file (30 writes of 10 ms, at most 3 ahead) ...
+    assert queued > 0.2
+    # ... and never held more than the cap.
+    assert 0 < writer.peak_inflight <= cap
+    assert len(writes) == 30
+    loaded = load_file(path)
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+
+
+def test_writer_thread_failure_reaches_the_caller_and_leaves_no_file(tmp_path, monkeypatch):
+    import modeltap.dump as dump_module
+
+    monkeypatch.setattr(dump_module, "_THREAD_MIN_BYTES", 0)
+
+    def failing_write(fd, tensor, position):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dump_module, "_write_at", failing_write)
+    with pytest.raises(OSError, match="No space left"):
+        with DumpWriter(tmp_path / "d.safetensors", max_inflight=1 << 16) as writer:
+            for i in range(20):
+                writer.tensor(f"t{i}", torch.ones(100))
+            writer.finish({})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_dump_of_an_in_place_model_is_the_same_through_the_thread(tmp_path, monkeypatch):
+    import modeltap.dump as dump_module
+
+    torch.manual_seed(0)
+    m = InPlace().eval()
+    x = torch.randn(3, 4)
+    inline = dump_model(m, _inputs(x), tmp_path / "inline.safetensors", max_inflight=0)
+    monkeypatch.setattr(dump_module, "_THREAD_MIN_BYTES", 0)
+    threaded = dump_model(m, _inputs(x), tmp_path / "threaded.safetensors", max_inflight=64)
+    assert threaded.read_bytes() == inline.read_bytes()
+    with torch.no_grad():
+        a = m.a(x)
+        b = m.b(a + 1.0)
+    on_disk = load_file(threaded)
+    assert torch.equal(on_disk["a"], a) and torch.equal(on_disk["b"], b)
+
+
+def test_reader_checks_the_header_without_torch(tmp_path):
+    import subprocess
+    import sys
+
+    path = dump_model(Wrapped().eval(), _inputs(torch.randn(2, 4)), tmp_path / "d.safetensors")
+    code = (
+        "import sys; from modeltap.dump import load_dump; "
+        f"d = load_dump({str(path)!r}); print(len(d.stats), 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "False"]
+    # Tensors that overlap or leave gaps are refused as safetensors refuses them.
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    header["inner.0"]["data_offsets"][0] += 4
+    bad = json.dumps(header).encode()
+    (tmp_path / "bad.safetensors").write_bytes(struct.pack("<Q", len(bad)) + bad + raw[8 + n :])
+    with pytest.raises(DumpFormatError, match="not a readable safetensors file"):
+        load_dump(tmp_path / "bad.safetensors")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_stream_through_pinned_memory(tmp_path):
+    expected = {k: v for k, v in _mixed_tensors().items() if v.numel()}
+    on_gpu = {k: v.cuda() for k, v in expected.items()}
+    writer = _write_all(tmp_path / "d.safetensors", on_gpu, mutate=True, max_inflight=1024)
+    loaded = load_file(tmp_path / "d.safetensors")
+    for key, value in expected.items():
+        assert torch.equal(loaded[key], value.contiguous()), key
+        if value.is_floating_point():
+            ref = value.double()
+            stats = writer.stats[key]
+            assert stats.mean == pytest.approx(float(ref.mean()), rel=1e-12, abs=1e-15)
+            assert stats.norm == pytest.approx(float(ref.norm()), rel=1e-12)
+            assert (stats.min, stats.max) == (float(ref.min()), float(ref.max()))
+    assert 0 < writer.peak_inflight <= 1024
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensor_bigger_than_the_buffer_is_written_inline(tmp_path):
+    x = torch.randn(1000, 300, device="cuda")
+    with DumpWriter(tmp_path / "d.safetensors", max_inflight=4096) as writer:
+        writer.tensor("x", x)
+        path = writer.finish({})
+    assert torch.equal(load_file(path)["x"], x.cpu())

@@ -82,3 +82,63 @@ def test_zero_count_on_request():
     x = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
     assert tensor_stats(x, count_zeros=True).zeros == 3
     assert tensor_stats(x).zeros is None
+
+
+# ---- the on-device path (issue #12): exact float64, one vector of numbers ------------------
+
+
+def _exact_reference(x, mask=None, threshold=0.0):
+    """float64 moments of the finite values by math.fsum (correctly rounded sums)."""
+    values = [v for v in x.double().flatten().tolist() if math.isfinite(v)]
+    n = len(values)
+    mean = math.fsum(values) / n
+    m2 = math.fsum((v - mean) ** 2 for v in values)
+    rows = x.float().reshape(-1, x.shape[-1])
+    if mask is not None:
+        rows = rows[mask.reshape(-1)]
+    alive = rows.nan_to_num(nan=-math.inf).amax(dim=0)
+    return {
+        "mean": mean,
+        "std": math.sqrt(m2 / (n - 1)),
+        "norm": math.sqrt(math.fsum(v * v for v in values)),
+        "min": min(values),
+        "max": max(values),
+        "dead": int((alive <= threshold).sum()),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_device_path_is_exact_in_one_vector(monkeypatch, dtype):
+    torch.manual_seed(3)
+    x = (torch.randn(3, 40, 24) * 2 + 5).to(dtype)
+    x[0, 1, 2], x[1, 5, 7], x[2, 0, 0] = math.nan, math.inf, -math.inf
+    mask = torch.ones(3, 40, dtype=torch.bool)
+    mask[:, 30:] = False
+    monkeypatch.setattr(stats_module, "CHUNK_ELEMENTS", 500)  # several chunks to combine
+    # The path a CUDA tensor takes, run on the CPU: kernels only, then one vector to bring over.
+    pending = stats_module._device_stats(
+        x,
+        {"shape": list(x.shape), "dtype": "x", "numel": x.numel()},
+        dead_threshold=5.0,
+        row_mask=mask,
+        count_zeros=True,
+    )
+    assert pending.numbers.dim() == 1 and pending.numbers.dtype == torch.float64
+    s = pending.result(pending.numbers.tolist())
+    ref = _exact_reference(x, mask, threshold=5.0)
+    for name in ("mean", "std", "norm"):
+        assert getattr(s, name) == pytest.approx(ref[name], rel=1e-12), name
+    assert (s.min, s.max, s.dead) == (ref["min"], ref["max"], ref["dead"])
+    assert (s.nan, s.inf, s.zeros, s.units) == (1, 2, 0, 24)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_statistics_are_exact():
+    torch.manual_seed(4)
+    x = torch.randn(8, 64, 96, device="cuda") * 3 + 1
+    x[0, 0, 0] = math.nan
+    s = tensor_stats(x, count_zeros=True)
+    ref = _exact_reference(x.cpu())
+    for name in ("mean", "std", "norm"):
+        assert getattr(s, name) == pytest.approx(ref[name], rel=1e-12), name
+    assert (s.min, s.max, s.dead, s.nan, s.inf) == (ref["min"], ref["max"], ref["dead"], 1, 0)

@@ -88,6 +88,9 @@ class Settings:
     fullgraph: bool = False
     dynamic: bool = True
 
+    # performance (#12): MiB the dump writer's thread may hold copied but not yet written
+    max_inflight_mb: int = 32
+
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 # Scalar types of each field, for checking TOML values and parsing environment variables.
@@ -122,6 +125,7 @@ _TYPES: dict[str, type] = {
     "compile": bool,
     "fullgraph": bool,
     "dynamic": bool,
+    "max_inflight_mb": int,
 }
 
 

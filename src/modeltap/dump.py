@@ -10,19 +10,22 @@ Metadata (`__metadata__`, all values strings, JSON where structured): see METADA
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
+import math
 import os
 import re
 import struct
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modeltap.errors import DumpFormatError, InputError, first_line
-from modeltap.stats import TensorStats, tensor_stats
+from modeltap.stats import TensorStats, begin_stats, dtype_name, tensor_stats
 
 if TYPE_CHECKING:
     import torch
@@ -93,6 +96,14 @@ _DTYPES = {
 }
 
 _ALIGN = 8
+
+# Bytes a DumpWriter may hold copied but not yet written (its writer thread's buffer).
+DEFAULT_MAX_INFLIGHT = 32 << 20
+# CPU tensors smaller than this are done in the caller: handing them to the thread costs more
+# (a copy, and the thread's Python competing for the GIL) than it saves.
+_THREAD_MIN_BYTES = 1 << 20
+# Small tensors' bytes are gathered up to this much before one write.
+_STAGE_BYTES = 1 << 20
 
 
 @functools.cache
@@ -192,12 +203,16 @@ class DumpWriter:
         dead_threshold: float = 0.0,
         row_mask: torch.Tensor | None = None,
         reserve: int = 1 << 16,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
     ) -> None:
         self.path = write_target(Path(path))
         check_writable(self.path)
         self.stats_only = stats_only
         self.dead_threshold = dead_threshold
         self.row_mask = row_mask
+        # A mask that keeps every row changes nothing: checked once here, not once per tensor;
+        # kept on the CPU, where looking at it costs a CUDA tensor no sync.
+        self._stats_mask = None if row_mask is None or bool(row_mask.all()) else row_mask.cpu()
         self.stats: dict[str, TensorStats] = {}
         self.aliases: dict[str, str] = {}
         self._entries: dict[str, dict[str, Any]] = {}
@@ -205,6 +220,18 @@ class DumpWriter:
         self._offset = 0
         self._tmp = temp_path(self.path)
         self._file: Any = None
+        if max_inflight < 0:
+            raise InputError(f"max_inflight is {max_inflight}; give 0 (no writer thread) or more")
+        self.max_inflight = max_inflight
+        self._pipeline: _Pipeline | None = None
+        self._lock = threading.Lock()
+        self.peak_inflight = 0  # most bytes the writer thread held at once
+        self._stats_order: list[str] = []  # the header lists statistics in call order
+        self._flushed = False
+        self._staged = bytearray()  # small tensors' bytes, written together
+        self._staged_at = 0
+        self._deferred: list[tuple[str, torch.Tensor, dict[str, Any], int | None]] = []
+        self._deferred_bytes = 0
 
     def __enter__(self) -> DumpWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -218,41 +245,111 @@ class DumpWriter:
             self.abort()
 
     def tensor(self, key: str, tensor: torch.Tensor, *, count_zeros: bool = False) -> None:
-        self.stats[key] = tensor_stats(
-            tensor,
-            dead_threshold=self.dead_threshold,
-            row_mask=self.row_mask,
-            count_zeros=count_zeros,
-        )
-        if self.stats_only:
-            return
-        dtype = _DTYPES.get(self.stats[key].dtype)
-        if dtype is None:
-            raise InputError(
-                f"can't store '{key}' of dtype {self.stats[key].dtype}; use --stats-only"
-            )
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(_byte_dtype())
-        size = data.numel()
-        if size:
-            self._file.write(memoryview(data.numpy()))
-        self._entries[key] = {
-            "dtype": dtype,
-            "shape": list(tensor.shape),
-            "data_offsets": [self._offset, self._offset + size],
+        """Take `tensor`'s statistics and bytes as they are now (the model may change it in place
+        as soon as this returns).
+
+        Small tensors are done here and now, written at their offset. A large one (or any CUDA
+        tensor) is copied into a reused buffer of at most `max_inflight` bytes (pinned for CUDA)
+        and left to the writer thread; when the buffer is full this waits (back-pressure). One
+        bigger than the whole buffer is done here too.
+        """
+        dtype = dtype_name(tensor.dtype)
+        code = None if self.stats_only else _DTYPES.get(dtype)
+        if code is None and not self.stats_only:
+            raise InputError(f"can't store '{key}' of dtype {dtype}; use --stats-only")
+        x = tensor.detach()
+        options = {
+            "dead_threshold": self.dead_threshold,
+            "row_mask": self._stats_mask,
+            "count_zeros": count_zeros,
         }
-        self._offset += size
+        with self._lock:
+            nbytes = x.numel() * x.element_size()
+            size = 0 if code is None else nbytes
+            position = 8 + self._reserve + self._offset
+            if code is not None:
+                self._entries[key] = {
+                    "dtype": code,
+                    "shape": list(x.shape),
+                    "data_offsets": [self._offset, self._offset + size],
+                }
+                self._offset += size
+            self._stats_order.append(key)
+            if self._file is not None and not self._flushed:
+                self._file.flush()  # from here on, data goes in with pwrite at its offset
+                self._flushed = True
+            threaded = x.device.type != "cpu" or nbytes >= _THREAD_MIN_BYTES
+            if threaded and self.max_inflight and self._file is not None:
+                if self._pipeline is None:
+                    self._pipeline = _Pipeline(self, self.max_inflight)
+                if self._pipeline.take(key, x, options, position=position, write=code is not None):
+                    return
+            if not threaded and _dense(x):
+                # Kept as it is now and done with others later, in one tight loop: between the
+                # model's kernels the per-tensor overhead is several times what it is in a row.
+                self._deferred.append((key, x.clone(), options, position if size else None))
+                self._deferred_bytes += nbytes
+                if self._deferred_bytes >= _STAGE_BYTES:
+                    self._run_deferred()
+                return
+            self.stats[key] = begin_stats(x, **options).result()
+            if size and not threaded:
+                self._stage(x, position)
+            elif size:
+                _write_at(self._file.fileno(), x, position)
+
+    def _run_deferred(self) -> None:
+        for key, x, options, position in self._deferred:
+            self.stats[key] = begin_stats(x, **options).result()
+            if position is not None:
+                self._stage(x, position)
+        self._deferred, self._deferred_bytes = [], 0
+
+    def _stage(self, x: torch.Tensor, position: int) -> None:
+        """Collect small tensors' bytes and write them in one go: a syscall per tensor costs more
+        than the copy."""
+        if self._staged and (
+            position != self._staged_at + len(self._staged) or len(self._staged) >= _STAGE_BYTES
+        ):
+            self._write_staged()
+        if not self._staged:
+            self._staged_at = position
+        self._staged += _byte_view(x)
+
+    def _write_staged(self) -> None:
+        if self._staged:
+            _pwrite_all(self._file.fileno(), memoryview(self._staged), self._staged_at)
+            self._staged = bytearray()
 
     def alias(self, key: str, target: str) -> None:
         self.aliases[key] = target
 
+    def settle(self) -> None:
+        """Wait until every tensor given so far is done: its statistics in `stats`, its bytes
+        written (the thread and deferred small tensors finish their work)."""
+        try:
+            if self._pipeline is not None:
+                self._pipeline.close()
+                self._pipeline = None
+            with self._lock:
+                self._run_deferred()
+            if self._file is not None:
+                self._write_staged()
+        except BaseException:
+            self.abort()
+            raise
+
     def finish(self, metadata: dict[str, str]) -> Path:
         """Write the header, move the file into place, and return its path."""
+        self.settle()
         meta = dict(metadata)
         meta.update(
             format=FORMAT,
             format_version=str(FORMAT_VERSION),
             aliases=json.dumps(self.aliases),
-            stats=json.dumps({k: s.to_json() for k, s in self.stats.items()}),
+            stats=json.dumps(
+                {k: self.stats[k].to_json() for k in dict.fromkeys(self._stats_order)}
+            ),
             stats_only=str(self.stats_only).lower(),
             dead_threshold=repr(float(self.dead_threshold)),
         )
@@ -299,6 +396,225 @@ def _byte_dtype() -> torch.dtype:
     import torch
 
     return torch.uint8
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(_byte_dtype())
+    return memoryview(data.numpy())
+
+
+def _pwrite_all(fd: int, view: memoryview, position: int) -> None:
+    while view.nbytes:
+        n = os.pwrite(fd, view, position)
+        view, position = view[n:], position + n
+
+
+def _write_at(fd: int, tensor: torch.Tensor, position: int) -> None:
+    """The tensor's bytes into the file at `position` (pwrite: the thread and the caller write
+    different parts of the file at once)."""
+    _pwrite_all(fd, _byte_view(tensor), position)
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Whether x's elements fill their memory exactly once (any order of dims)."""
+    expected = 1
+    for stride, size in sorted(
+        (st, sz) for sz, st in zip(x.shape, x.stride(), strict=True) if sz != 1
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+@dataclass
+class _Item:
+    """One tensor on its way to the file: a copy in the pipeline's buffer, or queued kernels."""
+
+    key: str
+    position: int  # in the file
+    offset: int  # in the buffer
+    size: int  # bytes of the copy
+    charge: int  # buffer bytes held (padding and a wrapped ring's end included) until written
+    copy: torch.Tensor | None  # the tensor as it was, in the buffer
+    write: bool
+    options: dict[str, Any]
+    pending: Any = None  # stats.PendingStats of a CUDA tensor
+    numbers: torch.Tensor | None = None  # its numbers, copied to pinned memory
+    event: Any = None  # CUDA event after both copies
+
+
+class _Pipeline:
+    """A writer thread fed through one reused buffer of `capacity` bytes (a ring, FIFO).
+
+    The caller copies each tensor into the ring and goes on; the thread computes its statistics
+    from the copy and writes its bytes at their place in the file, in queue order (FIFO, which
+    frees the ring from its tail). A full ring makes the caller wait
+    (back-pressure), so the bytes in flight never exceed `capacity`. For CUDA tensors the ring is
+    pinned, the copies are non-blocking and the statistics run on the device; the thread waits
+    on one event per tensor and receives a few numbers with the bytes.
+    """
+
+    _ALIGN = 64
+
+    def __init__(self, writer: DumpWriter, capacity: int) -> None:
+        import torch
+
+        self.writer = writer
+        self.file = writer._file
+        # The thread's own descriptor: should the writer be aborted and its file closed while a
+        # write is under way, the number can't be reused by another file meanwhile.
+        self.fd = os.dup(self.file.fileno())
+        self.capacity = capacity // self._ALIGN * self._ALIGN
+        self.buffer: torch.Tensor | None = None
+        self.head = self.tail = self.used = 0
+        self.peak = 0
+        self.queue: collections.deque[_Item] = collections.deque()
+        self.busy = False
+        self.stop = False
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+        # Reductions split across intra-op threads add up in a different order: the thread
+        # reduces with as many as its caller, so the statistics don't depend on where they ran.
+        self.threads = torch.get_num_threads()
+        self.thread = threading.Thread(target=self._run, name="modeltap-writer", daemon=True)
+        self.thread.start()
+
+    def take(
+        self, key: str, x: torch.Tensor, options: dict[str, Any], *, position: int, write: bool
+    ) -> bool:
+        """Queue `x`; False when it is bigger than the ring (the caller handles it inline)."""
+        import torch
+
+        cuda = x.device.type == "cuda"
+        size = x.numel() * x.element_size() if (write or not cuda) else 0
+        charge = -(-size // self._ALIGN) * self._ALIGN
+        if charge > self.capacity or not (cuda or _dense(x)):
+            return False
+        offset, charge = self._reserve(charge, pin=cuda)
+        copy = x if not size else None  # an empty tensor has nothing to keep
+        if size:
+            assert self.buffer is not None
+            flat = self.buffer[offset : offset + size].view(x.dtype)
+            # The copy keeps the tensor's strides: torch's sums add up in an order that follows
+            # the memory layout, and the statistics must not depend on where they were taken.
+            copy = flat.view(x.shape) if cuda else flat.as_strided(x.shape, x.stride())
+            copy.copy_(x, non_blocking=cuda)
+        item = _Item(key, position, offset, size, charge, copy, write, options)
+        if cuda:
+            item.pending = begin_stats(x, **options)
+            if item.pending.numbers is not None:
+                item.numbers = torch.empty(
+                    item.pending.numbers.shape, dtype=torch.float64, pin_memory=True
+                )
+                item.numbers.copy_(item.pending.numbers, non_blocking=True)
+                item.pending.numbers = None
+            item.event = torch.cuda.Event()
+            item.event.record(torch.cuda.current_stream(x.device))  # where x's copies queued
+        with self.cond:
+            self.queue.append(item)
+            self.cond.notify_all()
+        return True
+
+    def _reserve(self, size: int, *, pin: bool) -> tuple[int, int]:
+        """(offset, bytes charged) of `size` free bytes of the ring, waiting for the thread to
+        free them; the charge includes the ring's end when the block wraps to the start."""
+        import torch
+
+        if self.buffer is None and size:
+            self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
+        with self.cond:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                if not size:
+                    return 0, 0
+                if self.used == 0:
+                    self.head = self.tail = 0
+                if self.head > self.tail or self.used == 0:  # in use: [tail, head)
+                    if self.capacity - self.head >= size:
+                        offset, charge = self.head, size
+                        break
+                    if size <= self.tail:  # wrap; the ring's end stays unused meanwhile
+                        offset, charge = 0, size + self.capacity - self.head
+                        break
+                elif self.tail - self.head >= size:  # in use: [tail, end) and [0, head)
+                    offset, charge = self.head, size
+                    break
+                self.cond.wait()
+            self.head = offset + size
+            self.used += charge
+            self.peak = max(self.peak, self.used)
+        return offset, charge
+
+    def _release(self, item: _Item) -> None:
+        """Called in FIFO order, under the lock."""
+        if item.charge:
+            self.used -= item.charge
+            self.tail = -(-(item.offset + item.size) // self._ALIGN) * self._ALIGN
+            if self.used == 0:
+                self.head = self.tail = 0
+
+    def drain(self) -> None:
+        """Wait until every queued tensor is written; re-raise the thread's error."""
+        with self.cond:
+            while (self.queue or self.busy) and self.error is None:
+                self.cond.wait()
+            if self.error is not None:
+                raise self.error
+
+    def close(self) -> None:
+        self.drain()
+        with self.cond:
+            self.stop = True
+            self.cond.notify_all()
+        self.thread.join()
+        self.writer.peak_inflight = max(self.writer.peak_inflight, self.peak)
+
+    def _run(self) -> None:
+        import torch
+
+        torch.set_num_threads(self.threads)
+        try:
+            self._loop()
+        finally:
+            os.close(self.fd)
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue and not self.stop:
+                    # A writer aborted mid-run (its file closed) has nobody left to stop us.
+                    if not self.cond.wait(timeout=0.25) and self.file.closed:
+                        return
+                if not self.queue or self.file.closed:
+                    return
+                item = self.queue.popleft()
+                self.busy = True
+            try:
+                self._process(item)
+            except BaseException as exc:  # handed to the caller at its next call
+                with self.cond:
+                    self.error = exc
+                    self.busy = False
+                    self.cond.notify_all()
+                return
+            with self.cond:
+                self._release(item)
+                self.busy = False
+                self.cond.notify_all()
+
+    def _process(self, item: _Item) -> None:
+        if item.event is not None:
+            item.event.synchronize()
+            numbers = None if item.numbers is None else item.numbers.tolist()
+            stats = item.pending.result(numbers)
+        else:
+            assert item.copy is not None
+            stats = tensor_stats(item.copy, **item.options)
+        self.writer.stats[item.key] = stats
+        if item.write and item.copy is not None and item.size:
+            _write_at(self.fd, item.copy, item.position)
 
 
 @dataclass
@@ -380,7 +696,13 @@ class Dump:
         if target not in self.stored:
             raise KeyError(key)
         view = self._mapped(target) if sys.byteorder == "little" else None
-        return view if view is not None else self._handle.get_tensor(target)
+        if view is not None:
+            return view
+        if self._handle is None:
+            from safetensors import safe_open
+
+            self._handle = safe_open(str(self.path), framework="pt")
+        return self._handle.get_tensor(target)
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for key in self.keys():
@@ -389,6 +711,52 @@ class Dump:
 
     def stats_for(self, key: str) -> TensorStats | None:
         return self.stats.get(self.resolve(key))
+
+
+# Bytes per element of each safetensors dtype code modeltap writes (others are not size-checked).
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1}
+_ITEMSIZE |= {"U8": 1, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_ITEMSIZE |= {"C64": 8}
+
+
+def _checked_header(path: Path) -> tuple[dict[str, str], list[str]]:
+    """(metadata, tensor names sorted) of a safetensors file, checked as safetensors checks it:
+    a JSON header that fits, and tensors that tile the data exactly. ValueError if not."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError("file shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise ValueError(f"header length {n} runs past the end of the file")
+        header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("__metadata__ is not a map of strings")
+    spans = []
+    for name, info in header.items():
+        try:
+            begin, end = info["data_offsets"]
+            shape, code = info["shape"], info["dtype"]
+            numel = math.prod(shape)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"bad entry for tensor '{name}'") from exc
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+            raise ValueError(f"bad data offsets for tensor '{name}'")
+        if code in _ITEMSIZE and numel * _ITEMSIZE[code] != end - begin:
+            raise ValueError(f"tensor '{name}' has {end - begin} bytes for its shape and dtype")
+        spans.append((begin, end))
+    position = 0
+    for begin, end in sorted(spans):
+        if begin != position:
+            raise ValueError("tensor data overlaps or leaves gaps")
+        position = end
+    if position != size - 8 - n:
+        raise ValueError(f"{size - 8 - n} data bytes where the header describes {position}")
+    return metadata, sorted(header)
 
 
 def _read_header(path: Path) -> tuple[int, dict[str, Any]] | None:
@@ -404,21 +772,19 @@ def _read_header(path: Path) -> tuple[int, dict[str, Any]] | None:
 
 
 def load_dump(path: str | os.PathLike[str]) -> Dump:
-    """Open a dump (or any safetensors file) without reading its tensors."""
-    from safetensors import SafetensorError, safe_open
-
+    """Open a dump (or any safetensors file) without reading its tensors (nor importing torch:
+    the header is read and checked here; safetensors opens the file when a tensor is asked for)."""
     p = Path(path)
     if not p.is_file():
         raise InputError(f"no file '{p}'; check the path")
     try:
-        handle = safe_open(str(p), framework="pt")
-        metadata = handle.metadata() or {}
-        stored = list(handle.keys())
-    except (SafetensorError, OSError, ValueError) as exc:
+        metadata, stored = _checked_header(p)
+    except (OSError, ValueError) as exc:
         raise DumpFormatError(
             f"'{p}' is not a readable safetensors file ({first_line(exc)}); "
             "re-create it with `modeltap dump`"
         ) from exc
+    handle = None
     dump = Dump(p, dict(metadata), stored, _handle=handle)
     if metadata.get("format") != FORMAT:
         return dump

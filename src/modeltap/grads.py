@@ -173,6 +173,9 @@ class _GradSink:
     no_path: dict[str, str] = field(default_factory=dict)
     grad_aliases: dict[str, str] = field(default_factory=dict)
     y: torch.Tensor | None = None
+    # Where each hooked tensor meets the graph: asking autograd for these rather than for the
+    # parameters skips every weight gradient nobody stores (without keeping the tensors alive).
+    edges: list[Any] = field(default_factory=list)
     live: bool = True
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _seen: dict[str, weakref.ref[Any]] = field(default_factory=dict)
@@ -191,7 +194,10 @@ class _GradSink:
         elif not tensor.requires_grad:
             self.no_path[key] = "no path"
         else:
+            import torch
+
             tensor.register_hook(self._writer_hook(key))
+            self.edges.append(torch.autograd.graph.get_gradient_edge(tensor))
             self.hooked[key] = tensor if self.keep else None  # type: ignore[assignment]
 
     def alias(self, key: str, target: str) -> None:
@@ -318,16 +324,23 @@ def run_grads(
             )
         v = seed_tensor(spec.grad_output, y, generator) if y.dim() else torch.ones_like(y)
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        sources = [p for _, p in params] + leaves
         try:
             with model_mode(model, train_mode):
-                results = torch.autograd.grad(
-                    y,
-                    sources,
-                    grad_outputs=v,
-                    allow_unused=True,
-                    retain_graph=spec.jacobian_norm > 0,
-                )
+                if not spec.params and sink.edges:
+                    # Only down to the hooked tensors: the same hooks fire, no weight gradient is
+                    # computed, and nothing is held but what the hooks stream away.
+                    torch.autograd.backward(
+                        y, v, retain_graph=spec.jacobian_norm > 0, inputs=list(sink.edges)
+                    )
+                    results: Sequence[Any] = ()
+                else:
+                    results = torch.autograd.grad(
+                        y,
+                        [p for _, p in params] + leaves,
+                        grad_outputs=v,
+                        allow_unused=True,
+                        retain_graph=spec.jacobian_norm > 0,
+                    )
         except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as exc:
             raise backward_error(model, exc, train_mode=train_mode) from exc
         sink.live = False

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modeltap.capture import hooks, run_model
-from modeltap.dump import DumpWriter
+from modeltap.dump import DEFAULT_MAX_INFLIGHT, DumpWriter
 from modeltap.loading import Inputs, check_forward_names
 from modeltap.selection import Selection, select_modules
 
@@ -60,6 +60,7 @@ def dump_model(
     mask_token_id: int | None = None,
     special_ids: tuple[int, ...] = (),
     backend: Backend | None = None,
+    max_inflight: int = DEFAULT_MAX_INFLIGHT,
 ) -> Path:
     """Run `model` on `inputs` with the selected modules hooked and stream a dump to `out`.
 
@@ -67,6 +68,7 @@ def dump_model(
     (keys under `grad/`); `activations=False` then leaves the activations out (`modeltap grads`).
     Returns the path written. The file appears only if everything succeeded.
     `backend` (capture/compile.py, ...) runs the model another way; the keys stay the eager keys.
+    `max_inflight`: bytes the writer thread may hold copied but not yet written (see `DumpWriter`).
     """
     import torch
 
@@ -81,6 +83,7 @@ def dump_model(
         row_mask=None if mask is None else mask.bool(),
         reserve=4096
         + _RESERVE_PER_MODULE * len(modules) * (1 + (capture_inputs or grads is not None)),
+        max_inflight=max_inflight,
     )
     sink = _DeviceLog(writer)
     if grads is not None:

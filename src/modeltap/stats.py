@@ -1,20 +1,26 @@
 """Per-tensor statistics: norms, moments, extremes, NaN/Inf counts and dead units.
 
-Everything is accumulated in float64 from float32-or-wider pieces, so a bfloat16 tensor gets the
-same trustworthy numbers as a float32 one. float32/float64 tensors are read in place; narrower
-or integer tensors are converted a bounded chunk at a time, never as one full copy.
+Moments are accumulated in float64 from float32-or-wider pieces, so a bfloat16 tensor gets the
+same trustworthy numbers as a float32 one. float32/float64 tensors are read in place; narrower or
+integer tensors are converted a bounded chunk at a time, never as one full copy. On the CPU the
+numbers are bit-identical to earlier versions' (the same torch sums, in the same order), with the
+exact parts done in numpy to keep the cost per small tensor low. On other devices everything runs
+as queued kernels, exact in float64, ending in one small vector: a CUDA tensor costs one transfer
+of a few numbers (`begin_stats`, then `PendingStats.result`), never one sync per statistic.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-# Elements converted to float32 at a time for dtypes that can't be reduced in place.
+# Elements converted to a wider dtype (and reduced) at a time.
 CHUNK_ELEMENTS = 1 << 22
 
 
@@ -49,12 +55,16 @@ class TensorStats:
         return self.dead / self.units
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        # Not dataclasses.asdict: its deep copy was most of the cost of a header with many keys.
+        return {k: v for k in _FIELDS if (v := getattr(self, k)) is not None}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TensorStats:
         fields = cls.__dataclass_fields__
         return cls(**{k: v for k, v in data.items() if k in fields})
+
+
+_FIELDS = tuple(TensorStats.__dataclass_fields__)
 
 
 @dataclass
@@ -92,58 +102,180 @@ def tensor_stats(
     when its value is <= `dead_threshold` at every position of the other dims. `row_mask` (bool,
     the shape of the tensor's first two dims, e.g. an attention mask) leaves padded positions out.
     """
+    return begin_stats(
+        tensor, dead_threshold=dead_threshold, row_mask=row_mask, count_zeros=count_zeros
+    ).result()
+
+
+@dataclass
+class PendingStats:
+    """Statistics whose numbers may still be on the tensor's device, as one float64 vector.
+
+    `result()` brings them over (one transfer) and finishes on the host; a caller that already
+    copied `numbers` to the host (non-blocking, behind a CUDA event) passes them in as a list.
+    """
+
+    base: dict[str, Any]
+    numbers: torch.Tensor | None = None
+    chunks: int = 0
+    units: int | None = None
+    count_zeros: bool = False
+    done: TensorStats | None = None
+
+    def result(self, numbers: list[float] | None = None) -> TensorStats:
+        if self.done is None:
+            assert self.numbers is not None
+            self.done = self._finish(self.numbers.tolist() if numbers is None else numbers)
+            self.numbers = None
+        return self.done
+
+    def _finish(self, values: list[float]) -> TensorStats:
+        result: dict[str, Any] = dict(self.base, nan=0, inf=0)
+        width = _WIDTH + self.count_zeros
+        moments = _Moments()
+        lo, hi = math.inf, -math.inf
+        nonzero = 0
+        for i in range(self.chunks):
+            n, mean, m2, clo, chi, nan, inf = values[i * width : i * width + _WIDTH]
+            result["nan"] += int(nan)
+            result["inf"] += int(inf)
+            if n:
+                moments.add(int(n), mean, m2)
+                lo, hi = min(lo, clo), max(hi, chi)
+            if self.count_zeros:
+                nonzero += int(values[i * width + _WIDTH])
+        _moments_into(result, moments, lo, hi)
+        if self.count_zeros:
+            result["zeros"] = self.base["numel"] - nonzero
+        if self.units is not None:
+            result.update(units=self.units, dead=int(values[-1]))
+        return TensorStats(**result)
+
+
+def _moments_into(result: dict[str, Any], moments: _Moments, lo: float, hi: float) -> None:
+    if moments.n:
+        n, mean, m2 = moments.n, moments.mean, moments.m2
+        std = math.sqrt(m2 / (n - 1)) if n > 1 else 0.0
+        # Both terms are >= 0: the norm needs no extra pass and loses nothing to cancellation.
+        norm = math.sqrt(m2 + n * mean * mean)
+        result.update(norm=norm, mean=mean, std=std, min=lo, max=hi)
+
+
+# Numbers per chunk of the device path: finite count, mean and m2 of the finite values, min, max,
+# NaN count, Inf count (then the non-zero count when counting zeros); one dead-unit count closes
+# the vector.
+_WIDTH = 7
+
+
+def begin_stats(
+    tensor: torch.Tensor,
+    *,
+    dead_threshold: float = 0.0,
+    row_mask: torch.Tensor | None = None,
+    count_zeros: bool = False,
+) -> PendingStats:
+    """Start the statistics of `tensor`; `.result()` finishes them.
+
+    A CPU tensor is done at once. On another device this only queues kernels, and the caller may
+    bring `numbers` to the host however it likes (they are never needed twice).
+    """
     import torch
 
     x = tensor.detach()
-    shape = list(x.shape)
-    base = {"shape": shape, "dtype": dtype_name(x.dtype), "numel": x.numel()}
+    base = {"shape": list(x.shape), "dtype": dtype_name(x.dtype), "numel": x.numel()}
     if x.numel() == 0:
-        return TensorStats(**base)
+        return PendingStats(base, done=TensorStats(**base))
     if x.is_complex():
         norm = float(torch.linalg.vector_norm(x.to(torch.complex128)))
-        return TensorStats(**base, norm=norm)
+        return PendingStats(base, done=TensorStats(**base, norm=norm))
+    options = {"dead_threshold": dead_threshold, "row_mask": row_mask, "count_zeros": count_zeros}
+    if x.device.type == "cpu":
+        return PendingStats(base, done=_cpu_stats(x, base, **options))
+    return _device_stats(x, base, **options)
 
-    units = shape[-1] if x.dim() >= 2 else 1
+
+def _chunks(x: torch.Tensor, units: int | None) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, rows converted to the working dtype) of x.reshape(-1, units), bounded size."""
+    import torch
+
+    rows = x.reshape(-1, units or 1)
+    if x.dtype in (torch.float32, torch.float64):
+        work = x.dtype  # read in place
+    elif x.dtype in (torch.int32, torch.int64, torch.uint32, torch.uint64):
+        work = torch.float64  # exact
+    else:
+        work = torch.float32  # exact for 16-bit floats, bool and small integers
+    step = max(1, CHUNK_ELEMENTS // (units or 1))
+    for start in range(0, rows.shape[0], step):
+        chunk = rows[start : start + step]
+        yield start, chunk if chunk.dtype == work else chunk.to(work)
+
+
+def _cpu_stats(
+    x: torch.Tensor,
+    base: dict[str, Any],
+    *,
+    dead_threshold: float,
+    row_mask: torch.Tensor | None,
+    count_zeros: bool,
+) -> TensorStats:
+    """The CPU path: the same reductions as ever, in the same order (the numbers are bit-identical
+    to earlier versions'), with everything exact (extremes, counts, the centring) done in numpy:
+    a numpy call costs a microsecond where a torch op costs several, which small tensors pay."""
+    import numpy as np
+    import torch
+
+    units = base["shape"][-1] if x.dim() >= 2 else 1
     rows = x.reshape(-1, units)
     keep_rows = _rows_to_keep(x, row_mask)
+    keep = None if keep_rows is None else keep_rows.numpy()
     in_place = x.dtype in (torch.float32, torch.float64)
     step = max(1, CHUNK_ELEMENTS // units)
 
     moments = _Moments()
     lo, hi = math.inf, -math.inf
     nan = inf = zeros = 0
-    unit_max: torch.Tensor | None = None
+    unit_max: Any = None
+    whole = rows.shape[0] <= step
     for start in range(0, rows.shape[0], step):
-        chunk = rows[start : start + step]
+        chunk = rows if whole else rows[start : start + step]
         if not in_place:
             chunk = chunk.to(torch.float32)
         count = chunk.numel()
         # Two passes with torch's cascade summation: accurate to ~1e-8 and 10x faster than Welford.
         mean = float(chunk.sum()) / count
-        m2 = _centered_square_sum(chunk, mean) if math.isfinite(mean) else math.nan
-        if math.isfinite(m2):
+        values = chunk.numpy()
+        passed = _centered_pass(chunk, values, mean, count_zeros) if math.isfinite(mean) else None
+        if passed is not None and math.isfinite(passed[0]):
+            m2, chunk_min, chunk_alive, nonzero = passed
             moments.add(count, mean, m2)
-            cmin, cmax = torch.aminmax(chunk)
-            lo, hi = min(lo, float(cmin)), max(hi, float(cmax))
+            lo = min(lo, chunk_min)
+            zeros += count - nonzero
+            if keep is None:  # every row counts: the per-unit maxima give the max as well
+                hi = max(hi, float(chunk_alive.max()))
+                alive = chunk_alive
+            else:
+                hi = max(hi, float(values.max()))
+                kept = values[keep[start : start + step]]
+                alive = kept.max(axis=0) if kept.shape[0] else None
         else:
             # NaN/Inf present (or float32 overflowed): count them; moments of the finite values.
             is_nan, is_inf = torch.isnan(chunk), torch.isinf(chunk)
             nan += int(is_nan.sum())
             inf += int(is_inf.sum())
-            values = chunk[~(is_nan | is_inf)].to(torch.float64)
-            if values.numel():
-                vmean = float(values.mean())
-                moments.add(values.numel(), vmean, float(torch.square(values - vmean).sum()))
-                lo, hi = min(lo, float(values.min())), max(hi, float(values.max()))
+            finite = chunk[~(is_nan | is_inf)].to(torch.float64)
+            if finite.numel():
+                vmean = float(finite.mean())
+                moments.add(finite.numel(), vmean, float(torch.square(finite - vmean).sum()))
+                lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
             # NaN never makes a unit alive; +inf does, -inf doesn't.
-            chunk = chunk.masked_fill(is_nan, -math.inf)
-        if count_zeros:
-            zeros += count - int(torch.count_nonzero(chunk))
-        if x.dim() >= 2:
-            kept = chunk if keep_rows is None else chunk[keep_rows[start : start + step]]
-            if kept.shape[0]:
-                alive = kept.amax(dim=0)
-                unit_max = alive if unit_max is None else torch.maximum(unit_max, alive)
+            values = chunk.masked_fill(is_nan, -math.inf).numpy()
+            if count_zeros:
+                zeros += count - int(np.count_nonzero(values))
+            kept = values if keep is None else values[keep[start : start + step]]
+            alive = kept.max(axis=0) if kept.shape[0] else None
+        if alive is not None:
+            unit_max = alive if unit_max is None else np.maximum(unit_max, alive)
 
     result: dict[str, Any] = dict(base, nan=nan, inf=inf)
     if moments.n:
@@ -154,37 +286,126 @@ def tensor_stats(
     if count_zeros:
         result["zeros"] = zeros
     if x.dim() >= 2:
-        dead = units if unit_max is None else int((unit_max <= dead_threshold).sum())
+        # Compared in the working dtype (float32 for narrower ones), as torch compares a tensor
+        # with a Python float.
+        dead = units
+        if unit_max is not None:
+            dead = int(np.count_nonzero(unit_max <= unit_max.dtype.type(dead_threshold)))
         result.update(units=units, dead=dead)
     return TensorStats(**result)
 
 
-# One reusable buffer per (dtype, device) for the centred pass: a fresh temporary per tensor costs
-# more in page faults than the arithmetic itself.
-_SCRATCH: dict[tuple[Any, Any], torch.Tensor] = {}
+# One reusable float buffer per thread and dtype for the centred pass: a fresh temporary per
+# tensor costs more in page faults than the arithmetic itself.
+_LOCAL = threading.local()
 
 
-def _centered_square_sum(chunk: torch.Tensor, mean: float) -> float:
+# Rows of about this many elements go through the centred pass together, so that the block read
+# for the subtraction is still in cache for the square, the min, the per-unit max and the zeros.
+_BLOCK = 1 << 16
+
+
+def _centered_pass(
+    chunk: torch.Tensor, values: Any, mean: float, count_zeros: bool
+) -> tuple[float, float, Any, int] | None:
+    """(sum((chunk - mean)^2), min, per-unit max, non-zero count) of a [rows, units] chunk in one
+    read of it, block by block; None if it is too wide for the buffer.
+
+    The square sum is what torch has always computed, to the bit: the elementwise part in numpy
+    (the mean rounded to the dtype, one rounding per operation, as torch does), into one buffer
+    that torch then sums whole, in its own order. Extremes and counts are exact whatever the
+    order. NaN/Inf make the sum non-finite and the caller starts over.
+    """
+    import numpy as np
     import torch
 
     count = chunk.numel()
     if count > CHUNK_ELEMENTS:
-        return float((chunk - mean).square_().sum())
-    key = (chunk.dtype, chunk.device)
-    buffer = _SCRATCH.get(key)
+        return None
+    buffers = getattr(_LOCAL, "buffers", None)
+    if buffers is None:
+        buffers = _LOCAL.buffers = {}
+    buffer = buffers.get(chunk.dtype)
     if buffer is None or buffer.numel() < CHUNK_ELEMENTS:
-        buffer = _SCRATCH[key] = torch.empty(CHUNK_ELEMENTS, dtype=chunk.dtype, device=chunk.device)
-    out = buffer[:count].view(chunk.shape)
-    torch.sub(chunk, mean, out=out)
-    return float(out.square_().sum())
+        buffer = buffers[chunk.dtype] = torch.empty(CHUNK_ELEMENTS, dtype=chunk.dtype)
+    flat = buffer[:count]
+    out = flat.numpy().reshape(values.shape)
+    center = values.dtype.type(mean)
+    rows = values.shape[0]
+    step = max(1, _BLOCK // max(1, values.shape[1]))
+    lo = math.inf
+    alive = None
+    nonzero = 0
+    for start in range(0, rows, step):
+        part = values[start : start + step] if step < rows else values
+        into = out[start : start + step] if step < rows else out
+        np.subtract(part, center, out=into)
+        np.square(into, out=into)
+        lo = min(lo, float(part.min()))
+        block_max = part.max(axis=0)
+        alive = block_max if alive is None else np.maximum(alive, block_max)
+        if count_zeros:
+            nonzero += int(np.count_nonzero(part))
+    return float(flat.sum()), lo, alive, nonzero
+
+
+def _device_stats(
+    x: torch.Tensor,
+    base: dict[str, Any],
+    *,
+    dead_threshold: float,
+    row_mask: torch.Tensor | None,
+    count_zeros: bool,
+) -> PendingStats:
+    """Exact statistics as queued kernels ending in one float64 vector: masked for NaN/Inf,
+    centred, float64; no host sync."""
+    import torch
+
+    units = base["shape"][-1] if x.dim() >= 2 else None
+    keep = _rows_to_keep(x, row_mask) if units else None
+    pieces: list[torch.Tensor] = []
+    unit_max: torch.Tensor | None = None
+    chunks = 0
+    for start, chunk in _chunks(x, units):
+        chunks += 1
+        values = chunk.to(torch.float64)
+        finite = torch.isfinite(values)
+        n = finite.sum()
+        nan = torch.isnan(values).sum()
+        mean = torch.where(finite, values, 0.0).sum() / n.clamp(min=1)
+        deviations = torch.where(finite, values - mean, 0.0)
+        pieces += [
+            n,
+            mean,
+            deviations.square_().sum(),
+            torch.where(finite, values, math.inf).min(),
+            torch.where(finite, values, -math.inf).max(),
+            nan,
+            chunk.numel() - n - nan,
+        ]
+        if count_zeros:
+            pieces.append(torch.count_nonzero(chunk))
+        if units:
+            # NaN never makes a unit alive; +inf does, -inf doesn't. Left-out rows become -inf
+            # rather than being indexed away, which would sync to learn how many remain.
+            dropped = torch.isnan(chunk)
+            if keep is not None:
+                dropped |= ~keep[start : start + chunk.shape[0], None]
+            alive = chunk.masked_fill(dropped, -math.inf).amax(dim=0)
+            unit_max = alive if unit_max is None else torch.maximum(unit_max, alive)
+    if unit_max is not None:
+        pieces.append((unit_max <= dead_threshold).sum())
+    numbers = torch.stack([p.to(torch.float64) for p in pieces])
+    return PendingStats(base, numbers, chunks, units, count_zeros)
 
 
 def _rows_to_keep(x: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tensor | None:
     """A bool per row of x.reshape(-1, units), or None when every row counts."""
     if row_mask is None or x.dim() < 3 or tuple(x.shape[:2]) != tuple(row_mask.shape):
         return None
-    mask = row_mask.to(device=x.device, dtype=bool)
-    if bool(mask.all()):
+    # Checked where the mask lives (a CPU mask costs a CUDA tensor no sync), then moved.
+    if bool(row_mask.all()):
         return None
+    mask = row_mask.to(device=x.device, dtype=bool)
     middle = x.shape[2:-1]
     return mask.reshape(*mask.shape, *([1] * len(middle))).expand(*x.shape[:-1]).reshape(-1)

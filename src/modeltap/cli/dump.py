@@ -27,6 +27,7 @@ from modeltap.cli.options import (
     InputFileOpt,
     JsonOpt,
     LossOpt,
+    MaxInflightOpt,
     MaxLengthOpt,
     MaxMemoryOpt,
     ModelArg,
@@ -102,6 +103,7 @@ def dump(
     fullgraph: FullgraphOpt = None,
     allow_pickle: AllowPickleOpt = None,
     config: ConfigOpt = None,
+    max_inflight: MaxInflightOpt = None,
 ) -> None:
     """Run a model on text or tensors and write every selected module's output to safetensors."""
     s = settings(
@@ -137,6 +139,7 @@ def dump(
         compile=compile,
         compile_backend=compile_backend,
         fullgraph=fullgraph,
+        max_inflight_mb=max_inflight,
     )
     # a command-line flag only: no config file or environment may turn it on
     run_dump(s, json_out=json_out, grads=s.grads, activations=True, allow_pickle=bool(allow_pickle))
@@ -174,6 +177,8 @@ def run_dump(
     transformed = _is_transformed(s.model)
     if not s.texts and not s.input_file and not transformed:
         raise InputError("nothing to run on; give TEXT or --input-file")
+    if s.max_inflight_mb < 0:
+        raise InputError(f"--max-inflight is {s.max_inflight_mb}; give MiB >= 0 (0 writes inline)")
     path = Path(s.out) if s.out else default_out(s.model, grads_only=not activations)
     check_writable(path)
     if _placement(s) is not None:
@@ -225,6 +230,7 @@ def run_dump(
             mask_token_id=getattr(tok, "mask_token_id", None),
             special_ids=tuple(getattr(tok, "all_special_ids", ())),
             backend=backend,
+            max_inflight=s.max_inflight_mb << 20,
         )
     from modeltap.cli.show import print_opened
     from modeltap.dump import load_dump

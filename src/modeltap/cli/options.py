@@ -356,3 +356,11 @@ AllowPickleOpt = Annotated[
         rich_help_panel=LOADING,
     ),
 ]
+MaxInflightOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-inflight",
+        help="MiB of tensors copied but not yet written that the writer thread may hold "
+        "(pinned for CUDA); the run waits when it is full; 0 writes inline [default: 32].",
+    ),
+]

@@ -245,6 +245,7 @@ class Recording:
         writer, recorder = self._writer, self._recorder
         assert writer is not None and recorder is not None
         self._writer = None
+        writer.settle()  # every statistic in, before the rules read them
         hits = apply_rules(
             self.rules, self._observations(writer), step=self.step_index, rank=self.rank.rank
         )
