@@ -23,7 +23,6 @@ from modeltap.cli.options import (
     PresetOpt,
     RtolOpt,
 )
-from modeltap.errors import InputError
 
 
 @app.command("diff")
@@ -70,7 +69,7 @@ def diff_command(
     config: ConfigOpt = None,
 ) -> None:
     """Compare two dumps; exit 0 when every tensor is within tolerance, 1 when not."""
-    from modeltap.config import tolerance_preset
+    from modeltap.config import tolerance_values
     from modeltap.diff import Tolerance, diff_dumps, junit_xml
     from modeltap.dump import check_writable
 
@@ -85,18 +84,7 @@ def diff_command(
         upcast=upcast,
         strict=strict,
     )
-    # Precedence for tolerances: settings files and env < preset < --atol/--rtol.
-    values = {
-        "atol": s.atol,
-        "rtol": s.rtol,
-        "scaled_atol": s.scaled_atol,
-        "min_cosine": s.min_cosine,
-    }
-    if s.preset:
-        values.update(tolerance_preset(s.preset))
-    values.update({k: v for k, v in {"atol": atol, "rtol": rtol}.items() if v is not None})
-    if values["atol"] < 0 or values["rtol"] < 0:
-        raise InputError("--atol and --rtol must be 0 or more")
+    values = tolerance_values(s, atol=atol, rtol=rtol, preset=s.preset)
     if junit is not None:
         check_writable(junit)
     overrides = [(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()]
