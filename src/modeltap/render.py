@@ -157,6 +157,15 @@ def dump_table(dump: Dump, *, width: int = 80) -> Table:
     if wide and dump.aliases:
         widths[-1] = min(widths[-1], 36)
     key_width = max(16, width - sum(widths) - len(widths))
+    labels = [_fit(label, key_width) for label, _ in rows]
+    columns = max(len(label) for label in ["module", *labels])
+    if columns + sum(widths) + len(widths) <= width:
+        justify = ["left" if h in ("dtype", "same tensor as") else "right" for h in headers]
+        body = [
+            [label, *cells[: len(headers)]] for label, (_, cells) in zip(labels, rows, strict=True)
+        ]
+        return _aligned(["module", *headers], [columns, *widths], ["left", *justify], body)
+    # Too narrow for every number: Rich's table shares out what there is.
     table = _plain_table()
     table.add_column("module", no_wrap=True, overflow="ellipsis", max_width=key_width)
     for header, min_width in zip(headers, widths, strict=True):
@@ -173,6 +182,44 @@ def dump_table(dump: Dump, *, width: int = 80) -> Table:
     for label, cells in rows:
         table.add_row(_fit(label, key_width), *cells[: len(headers)])
     return table
+
+
+def _aligned(
+    headers: Sequence[str],
+    widths: Sequence[int],
+    justify: Sequence[str],
+    rows: Iterable[Sequence[str | Text]],
+) -> Text:
+    """What `_plain_table` prints for columns of known widths, laid out directly: Rich measures
+    every cell of a table, which took most of `modeltap show`'s time on a model of 100 modules.
+
+    A cell longer than its column ends in `…`. Lines are padded to the table's width, as Rich
+    pads them.
+    """
+    out = Text(no_wrap=True, overflow="ignore", end="\n")
+    lines: list[Sequence[str | Text]] = [headers, *rows]
+    for n, cells in enumerate(lines):
+        if n:
+            out.append("\n")
+        line = Text(style="bold") if n == 0 else out
+        for i, (cell, size, side) in enumerate(zip(cells, widths, justify, strict=False)):
+            text = cell if isinstance(cell, Text) else Text(cell)
+            if text.cell_len > size:
+                text = text[: size - 1] + "…"
+            gap = " " * (size - text.cell_len)
+            if i:
+                line.append(" ")
+            if side == "right":
+                line.append(gap)
+            line.append_text(text)
+            if side != "right":
+                line.append(gap)
+        missing = sum(w + 1 for w in widths[len(cells) :])
+        if missing:
+            line.append(" " * missing)
+        if n == 0:
+            out.append_text(line)
+    return out
 
 
 def _fit(label: str, width: int) -> str:
