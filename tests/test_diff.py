@@ -86,11 +86,13 @@ def test_perturbed_weight_names_its_module_first_not_downstream(bert, ref, tmp_p
     assert "first divergence: encoder.layer.1.attention.output.dense" in result.stdout
 
 
-def test_metrics_match_an_independent_computation():
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_metrics_match_an_independent_computation(kind):
     torch.manual_seed(0)
     b = torch.randn(50, 40)
     a = b + torch.randn(50, 40) * 1e-3
-    pair = compare("k", "k", a, b, Tolerance(atol=1e-4, rtol=1e-3))
+    args = (a, b) if kind == "torch" else (a.numpy(), b.numpy())
+    pair = compare("k", "k", *args, Tolerance(atol=1e-4, rtol=1e-3))
     d, y = (a - b).double().abs(), b.double().abs()
     assert pair.max_abs == pytest.approx(float(d.max()), rel=1e-6)
     assert pair.mean_abs == pytest.approx(float(d.mean()), rel=1e-5)
@@ -100,6 +102,82 @@ def test_metrics_match_an_independent_computation():
     assert pair.cosine == pytest.approx(float(cos), abs=1e-9)
     expected_out = int((~torch.isclose(a, b, rtol=1e-3, atol=1e-4)).sum())
     assert pair.out_count == expected_out and 0 < expected_out < a.numel()
+
+
+@pytest.mark.parametrize("case", ["finite", "zeros", "nan", "inf", "scaled", "complex"])
+def test_numpy_and_torch_give_the_same_pair(case):
+    """diff reads dumps as numpy arrays (no torch to import); compare gets tensors in memory.
+    Both go through one code: every field must agree."""
+    torch.manual_seed(1)
+    b = torch.randn(30, 20)
+    a = b + torch.randn(30, 20) * 1e-4
+    tol = Tolerance(atol=1e-5, rtol=1e-4, min_cosine=0.999)
+    if case == "zeros":
+        b[::3] = 0.0
+    elif case == "nan":
+        a[1, 2] = b[1, 3] = b[4, 4] = a[4, 4] = float("nan")
+    elif case == "inf":
+        a[2, 2] = float("inf")
+        b[2, 2] = float("inf")
+        a[3, 3] = float("-inf")
+    elif case == "scaled":
+        tol = Tolerance(atol=0.0, rtol=0.0, scaled_atol=1e-4)
+    elif case == "complex":
+        a, b = torch.complex(a, b), torch.complex(b, a)
+    with_torch = compare("k", "k", a, b, tol)
+    with_numpy = compare("k", "k", a.numpy(), b.numpy(), tol)
+    one, two = with_torch.to_json(), with_numpy.to_json()
+    assert one.keys() == two.keys()
+    for name, value in one.items():
+        if isinstance(value, float):
+            assert two[name] == pytest.approx(value, rel=1e-6, abs=1e-12), name
+        else:
+            assert two[name] == value, name
+    assert with_torch.status == with_numpy.status
+
+
+def test_bfloat16_dumps_are_read_exactly_without_torch(tmp_path):
+    from modeltap.dump import load_dump
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 7).to(torch.bfloat16)
+    x[0, 0], x[0, 1] = float("nan"), float("-inf")
+    save_file({"x": x, "h": x.to(torch.float16)}, tmp_path / "a.safetensors")
+    dump = load_dump(tmp_path / "a.safetensors")
+    array, name = dump.array("x")
+    assert name == "bfloat16" and array.dtype.name == "float32"
+    same = torch.from_numpy(array.copy()).view(torch.int32)
+    assert torch.equal(same, x.float().view(torch.int32))  # to the bit, NaN's payload too
+    assert dump.array("h")[1] == "float16"
+    # A bf16 dump against a float32 one is a dtype difference, as with tensors.
+    save_file({"x": x.float(), "h": x.to(torch.float16)}, tmp_path / "b.safetensors")
+    report = diff_dumps(tmp_path / "a.safetensors", tmp_path / "b.safetensors", equal_nan=True)
+    assert {p.key: p.status for p in report.pairs} == {"x": "dtype", "h": "ok"}
+    upcast = diff_dumps(tmp_path / "a.safetensors", tmp_path / "b.safetensors", upcast=True)
+    pair = next(p for p in upcast.pairs if p.key == "x")
+    assert (pair.dtype, pair.other_dtype, pair.max_abs) == ("bfloat16", "float32", 0.0)
+
+
+def test_diff_command_never_imports_torch(ref, tmp_path):
+    import subprocess
+    import sys
+
+    other = copy_with(
+        ref,
+        tmp_path / "b.safetensors",
+        lambda t: t.__setitem__(next(iter(t)), next(iter(t.values())) + 1.0),
+    )
+    code = (
+        "import sys\n"
+        "from modeltap.cli import main\n"
+        f"sys.argv = ['modeltap', 'diff', {str(ref)!r}, {str(other)!r}]\n"
+        "try:\n    main()\n"
+        "except SystemExit as e:\n    code = e.code\n"
+        "print('torch' in sys.modules, code, file=sys.stderr)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stderr.split()[-2:] == ["False", "1"], out.stderr[-2000:]
+    assert "DIFFERS" in out.stdout or "FIRST" in out.stdout
 
 
 def test_nan_on_one_side_and_equal_nan(tmp_path):

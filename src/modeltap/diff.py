@@ -1,7 +1,8 @@
 """Compare two dumps: per-tensor verdicts and errors, the first diverging module, metadata changes.
 
-Tensors are read one pair at a time through safetensors' memory-mapped reader, so memory stays
-around the largest pair whatever the size of the dumps.
+Tensors are read one pair at a time from the memory-mapped files, so memory stays around the
+largest pair whatever the size of the dumps; as numpy arrays where numpy holds the dtype, so that
+`modeltap diff` never waits for torch to import.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from modeltap.dump import Dump, load_dump
 from modeltap.errors import DumpFormatError, InputError
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 REPORT_SCHEMA = "modeltap.diff/1"
 
@@ -256,16 +257,23 @@ def diff_dumps(
             continue
         tol = next((t for glob, t in overrides if fnmatchcase(key, glob)), tolerance)
         norms = (_norm(da, key), _norm(db, other))
+        arrays = (da.array(key), db.array(other))
+        if arrays[0] is not None and arrays[1] is not None:  # numpy: no torch to import
+            (x, dtype_x), (y, dtype_y) = arrays
+            dtypes: tuple[str, str] | None = (dtype_x, dtype_y)
+        else:
+            x, y, dtypes = da[key], db[other], None
         pair = compare(
             key,
             other,
-            da[key],
-            db[other],
+            x,
+            y,
             tol,
             equal_nan=equal_nan,
             upcast=upcast,
             norms=norms,
             buffers=buffers,
+            dtypes=dtypes,
         )
         done[stored] = pair
         pairs.append(pair)
@@ -278,112 +286,122 @@ class _Buffers:
     faults than the arithmetic on them."""
 
     def __init__(self) -> None:
-        self._store: dict[tuple[Any, str], torch.Tensor] = {}
+        self._store: dict[tuple[Any, str], Any] = {}
 
-    def get(self, like: torch.Tensor, name: str, dtype: Any = None) -> torch.Tensor:
-        import torch
-
-        dtype = dtype or like.dtype
+    def get(self, ops: _Ops, like: Any, name: str, dtype: Any) -> Any:
         held = self._store.get((dtype, name))
-        if held is None or held.numel() < like.numel() or held.device != like.device:
-            held = torch.empty(like.numel(), dtype=dtype, device=like.device)
+        size = ops.numel(like)
+        if held is None or ops.numel(held) < size or not ops.same_device(held, like):
+            held = ops.empty(size, dtype, like)
             self._store[(dtype, name)] = held
-        return held[: like.numel()].view(like.shape)
+        return held[:size].reshape(like.shape)
+
+
+class _Ops:
+    """What differs between numpy and torch in `compare`; everything else has the same name in
+    both (`abs`, `subtract`, `count_nonzero`, `isclose`, `float32`...), so the metrics are one
+    code for tensors in memory and for arrays read from dumps without torch."""
+
+    def __init__(self, xp: Any) -> None:
+        self.xp = xp
+        self.numpy = xp.__name__ == "numpy"
+        self.boolean = xp.bool_ if self.numpy else xp.bool
+
+    def numel(self, x: Any) -> int:
+        return int(x.size) if self.numpy else x.numel()
+
+    def cast(self, x: Any, dtype: Any) -> Any:
+        return x.astype(dtype, copy=False) if self.numpy else x.to(dtype)
+
+    def empty(self, size: int, dtype: Any, like: Any) -> Any:
+        if self.numpy:
+            return self.xp.empty(size, dtype=dtype)
+        return self.xp.empty(size, dtype=dtype, device=like.device)
+
+    def same_device(self, a: Any, b: Any) -> bool:
+        return self.numpy or a.device == b.device
+
+    def equal(self, a: Any, value: float, out: Any) -> Any:
+        return self.xp.equal(a, value, out=out) if self.numpy else self.xp.eq(a, value, out=out)
+
+    def norm(self, x: Any) -> float:
+        """The L2 norm, accumulated in float64."""
+        if self.numpy:
+            flat = x.reshape(-1)
+            wide = flat.astype(self.xp.complex128 if flat.dtype.kind == "c" else self.xp.float64)
+            return float(self.xp.sqrt(self.xp.vdot(wide, wide).real))
+        wide = self.xp.complex128 if x.is_complex() else self.xp.float64
+        return float(self.xp.linalg.vector_norm(x, dtype=wide))
+
+    def is_complex(self, x: Any) -> bool:
+        return bool(self.xp.iscomplexobj(x)) if self.numpy else x.is_complex()
+
+    def quiet(self) -> Any:
+        """numpy warns where torch is silent (x / 0 is inf or nan in both)."""
+        import contextlib
+
+        return self.xp.errstate(all="ignore") if self.numpy else contextlib.nullcontext()
+
+
+def _ops(x: Any) -> _Ops:
+    if type(x).__module__ == "numpy":
+        import numpy
+
+        return _Ops(numpy)
+    import torch
+
+    return _Ops(torch)
 
 
 def compare(
     key: str,
     other: str,
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a: Any,
+    b: Any,
     tol: Tolerance,
     *,
     equal_nan: bool = False,
     upcast: bool = False,
     norms: tuple[float | None, float | None] = (None, None),
     buffers: _Buffers | None = None,
+    dtypes: tuple[str, str] | None = None,
 ) -> Pair:
     """Errors and the allclose verdict of one pair; B is the reference (rtol scales |b|).
 
-    `norms` are the L2 norms of a and b when already known (a dump's statistics), for the cosine.
+    `a` and `b` are both torch tensors or both numpy arrays (`dtypes` then names the stored
+    dtypes, where an array was widened from bfloat16). `norms` are the L2 norms of a and b when
+    already known (a dump's statistics), for the cosine.
     """
-    import torch
-
     from modeltap.stats import dtype_name
 
-    pair = Pair(key, other, "ok", list(a.shape), dtype_name(a.dtype), atol=tol.atol, rtol=tol.rtol)
+    ops = _ops(a)
+    xp = ops.xp
+    dtype_a, dtype_b = dtypes or (dtype_name(a.dtype), dtype_name(b.dtype))
+    pair = Pair(key, other, "ok", list(a.shape), dtype_a, atol=tol.atol, rtol=tol.rtol)
     atol = tol.atol
-    pair.numel = a.numel()
-    if a.shape != b.shape:
+    pair.numel = ops.numel(a)
+    if tuple(a.shape) != tuple(b.shape):
         pair.status, pair.other_shape = "shape", list(b.shape)
         return pair
-    if a.dtype != b.dtype:
-        pair.other_dtype = dtype_name(b.dtype)
+    if dtype_a != dtype_b:
+        pair.other_dtype = dtype_b
         if not upcast:
             pair.status = "dtype"
             return pair
-    if a.numel() == 0:
+    if pair.numel == 0:
         return pair
-    if a.is_complex() or b.is_complex():
-        work = torch.complex128
-    elif a.dtype != b.dtype or a.dtype == torch.float64:
-        work = torch.float64
+    if ops.is_complex(a) or ops.is_complex(b):
+        work = xp.complex128
+    elif dtype_a != dtype_b or dtype_a == "float64":
+        work = xp.float64
     else:
-        work = torch.float32
-    x, y = a.to(work), b.to(work)
+        work = xp.float32
+    x, y = ops.cast(a, work), ops.cast(b, work)
     buf = buffers or _Buffers()
-    real = torch.float64 if work == torch.complex128 else work
-
-    diff = buf.get(x, "diff", real)
-    if work == torch.complex128:
-        torch.abs(x - y, out=diff)
-    else:
-        torch.sub(x, y, out=diff).abs_()
-    scale = buf.get(y, "scale", real)
-    torch.abs(y, out=scale)
-    total = float(diff.sum())
-    if math.isfinite(total):
-        absmax = float(scale.max())
-        atol += tol.scaled_atol * absmax
-        limit = buf.get(y, "limit", real)
-        torch.mul(scale, tol.rtol, out=limit).add_(atol)
-        out = buf.get(x, "out", torch.bool)
-        pair.out_count = int(torch.count_nonzero(torch.gt(diff, limit, out=out)))
-        pair.max_abs = float(diff.max())
-        pair.max_scaled = pair.max_abs / absmax if absmax else (0.0 if not pair.max_abs else None)
-        pair.mean_abs = total / diff.numel()
-        squared = float(torch.linalg.vecdot(diff.reshape(-1), diff.reshape(-1)))
-        pair.cosine = _cosine(x, y, squared, norms)
-        rel = torch.div(diff, scale, out=limit)
-        zeros = int(diff.numel() - torch.count_nonzero(scale))
-        if zeros:  # relative error is over positions where b != 0
-            rel.masked_fill_(torch.eq(scale, 0, out=out), 0.0)
-        if diff.numel() > zeros:
-            pair.max_rel = float(rel.max())
-            pair.mean_rel = float(rel.sum()) / (diff.numel() - zeros)
-    else:
-        # NaN or Inf somewhere: torch.isclose's semantics, metrics over positions finite on both.
-        if tol.scaled_atol:
-            finite_y = y[torch.isfinite(y)]
-            atol += tol.scaled_atol * (float(finite_y.abs().max()) if finite_y.numel() else 0.0)
-        close = torch.isclose(x, y, rtol=tol.rtol, atol=atol, equal_nan=equal_nan)
-        pair.out_count = int(torch.count_nonzero(~close))
-        nan_x, nan_y = torch.isnan(x), torch.isnan(y)
-        mismatch = nan_x ^ nan_y
-        if not equal_nan:
-            mismatch |= nan_x & nan_y
-        pair.nan_mismatch = int(mismatch.sum())
-        usable = torch.isfinite(x) & torch.isfinite(y)
-        d, sc = diff[usable].double(), scale[usable].double()
-        if d.numel():
-            pair.max_abs = float(d.max())
-            pair.mean_abs = float(d.mean())
-            nonzero = sc > 0
-            if bool(nonzero.any()):
-                rel = d[nonzero] / sc[nonzero]
-                pair.max_rel, pair.mean_rel = float(rel.max()), float(rel.mean())
-    pair.atol = atol  # the absolute tolerance in effect, scale-relative term included
-    pair.out_fraction = pair.out_count / a.numel()
+    real = xp.float64 if work == xp.complex128 else work
+    with ops.quiet():
+        _metrics(pair, ops, x, y, tol, atol, real, buf, equal_nan, norms)
+    pair.out_fraction = pair.out_count / pair.numel
     low_cosine = (
         tol.min_cosine is not None and pair.cosine is not None and pair.cosine < tol.min_cosine
     )
@@ -392,17 +410,79 @@ def compare(
     return pair
 
 
+def _metrics(
+    pair: Pair,
+    ops: _Ops,
+    x: Any,
+    y: Any,
+    tol: Tolerance,
+    atol: float,
+    real: Any,
+    buf: _Buffers,
+    equal_nan: bool,
+    norms: tuple[float | None, float | None],
+) -> None:
+    """Fill `pair`'s errors and out-of-tolerance count (x, y already in the working dtype)."""
+    xp = ops.xp
+    diff = buf.get(ops, x, "diff", real)
+    if real == x.dtype:
+        xp.abs(xp.subtract(x, y, out=diff), out=diff)
+    else:  # complex: |x - y| is real
+        xp.abs(x - y, out=diff)
+    scale = buf.get(ops, y, "scale", real)
+    xp.abs(y, out=scale)
+    total = float(diff.sum())
+    if math.isfinite(total):
+        absmax = float(scale.max())
+        atol += tol.scaled_atol * absmax
+        limit = buf.get(ops, y, "limit", real)
+        xp.multiply(scale, tol.rtol, out=limit)
+        xp.add(limit, atol, out=limit)
+        out = buf.get(ops, x, "out", ops.boolean)
+        pair.out_count = int(xp.count_nonzero(xp.greater(diff, limit, out=out)))
+        pair.max_abs = float(diff.max())
+        pair.max_scaled = pair.max_abs / absmax if absmax else (0.0 if not pair.max_abs else None)
+        pair.mean_abs = total / pair.numel
+        flat = diff.reshape(-1)
+        squared = float(xp.dot(flat, flat))
+        pair.cosine = _cosine(ops, x, y, squared, norms)
+        rel = xp.divide(diff, scale, out=limit)
+        zeros = int(pair.numel - xp.count_nonzero(scale))
+        if zeros:  # relative error is over positions where b != 0
+            rel[ops.equal(scale, 0, out=out)] = 0.0
+        if pair.numel > zeros:
+            pair.max_rel = float(rel.max())
+            pair.mean_rel = float(rel.sum()) / (pair.numel - zeros)
+    else:
+        # NaN or Inf somewhere: torch.isclose's semantics, metrics over positions finite on both.
+        if tol.scaled_atol:
+            finite_y = y[xp.isfinite(y)]
+            atol += tol.scaled_atol * (float(abs(finite_y).max()) if ops.numel(finite_y) else 0.0)
+        close = xp.isclose(x, y, rtol=tol.rtol, atol=atol, equal_nan=equal_nan)
+        pair.out_count = int(xp.count_nonzero(~close))
+        nan_x, nan_y = xp.isnan(x), xp.isnan(y)
+        mismatch = nan_x ^ nan_y
+        if not equal_nan:
+            mismatch |= nan_x & nan_y
+        pair.nan_mismatch = int(mismatch.sum())
+        usable = xp.isfinite(x) & xp.isfinite(y)
+        d, sc = ops.cast(diff[usable], xp.float64), ops.cast(scale[usable], xp.float64)
+        if ops.numel(d):
+            pair.max_abs = float(d.max())
+            pair.mean_abs = float(d.mean())
+            nonzero = sc > 0
+            if bool(nonzero.any()):
+                rel = d[nonzero] / sc[nonzero]
+                pair.max_rel, pair.mean_rel = float(rel.max()), float(rel.mean())
+    pair.atol = atol  # the absolute tolerance in effect, scale-relative term included
+
+
 def _cosine(
-    x: torch.Tensor, y: torch.Tensor, diff_squared: float, norms: tuple[float | None, float | None]
+    ops: _Ops, x: Any, y: Any, diff_squared: float, norms: tuple[float | None, float | None]
 ) -> float:
     """Cosine similarity from squared norms, |a-b|^2 = |a|^2 + |b|^2 - 2 a.b: no extra product
     pass, and the norms often come free from the dumps' statistics."""
-    import torch
-
-    nx, ny = (
-        n if n is not None else float(torch.linalg.vector_norm(t, dtype=torch.float64))
-        for n, t in zip(norms, (x, y), strict=True)
-    )
+    nx, ny = (n if n is not None else ops.norm(t) for n, t in zip(norms, (x, y), strict=True))
     if nx == 0 or ny == 0:
         return 1.0 if nx == ny else 0.0
     return max(-1.0, min(1.0, (nx * nx + ny * ny - diff_squared) / (2 * nx * ny)))

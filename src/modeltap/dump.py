@@ -14,6 +14,7 @@ import collections
 import functools
 import json
 import math
+import mmap
 import os
 import re
 import struct
@@ -630,23 +631,28 @@ class Dump:
     _handle: Any = None
     _map: Any = None
 
-    def _mapped(self, target: str) -> torch.Tensor | None:
-        """A zero-copy, copy-on-write view of the tensor in the memory-mapped file, if possible.
-
-        Pages come straight from the page cache; writing to the tensor changes only this
-        process's private copy, never the file. None when the layout does not allow a view.
-        """
-        import mmap
-
-        import torch
-
+    def _mapping(self) -> tuple[Any, int, dict[str, Any]] | None:
+        """(the file mapped copy-on-write, data start, tensor entries), opened once."""
         if self._map is None:
             header = _read_header(self.path)
             if header is None:
                 return None
             with open(self.path, "rb") as f:
                 self._map = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), *header)
-        buffer, start, entries = self._map
+        return self._map
+
+    def _mapped(self, target: str) -> torch.Tensor | None:
+        """A zero-copy, copy-on-write view of the tensor in the memory-mapped file, if possible.
+
+        Pages come straight from the page cache; writing to the tensor changes only this
+        process's private copy, never the file. None when the layout does not allow a view.
+        """
+        import torch
+
+        mapping = self._mapping()
+        if mapping is None:
+            return None
+        buffer, start, entries = mapping
         info = entries.get(target)
         dtype = _torch_dtype(info["dtype"]) if info else None
         if dtype is None:
@@ -704,6 +710,36 @@ class Dump:
             self._handle = safe_open(str(self.path), framework="pt")
         return self._handle.get_tensor(target)
 
+    def array(self, key: str) -> tuple[Any, str] | None:
+        """(a numpy array of the tensor, its dtype name), without torch: a read-only view of the
+        memory-mapped file, or for bfloat16 an exact float32 copy. None for a dtype numpy can't
+        hold (float8, complex) or a layout that allows no view: read those with `dump[key]`."""
+        import numpy as np
+
+        target = self.resolve(key)
+        if target not in self.stored:
+            raise KeyError(key)
+        mapping = self._mapping()
+        if mapping is None:
+            return None
+        buffer, start, entries = mapping
+        info = entries.get(target)
+        code = info["dtype"] if info else None
+        stored = _NUMPY.get(code or "")
+        if stored is None or sys.byteorder != "little":
+            return None
+        begin, end = info["data_offsets"]
+        itemsize = np.dtype(stored).itemsize
+        if (start + begin) % itemsize:
+            return None
+        flat = np.frombuffer(
+            buffer, dtype=stored, count=(end - begin) // itemsize, offset=start + begin
+        )
+        name = "bfloat16" if code == "BF16" else str(flat.dtype)
+        if code == "BF16":  # the top half of a float32, to the bit
+            flat = (flat.astype(np.uint32) << 16).view(np.float32)
+        return flat.reshape(info["shape"]), name
+
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for key in self.keys():
             if self.resolve(key) in self.stored:
@@ -712,6 +748,11 @@ class Dump:
     def stats_for(self, key: str) -> TensorStats | None:
         return self.stats.get(self.resolve(key))
 
+
+# safetensors dtype code -> the numpy dtype its bytes are read as (bfloat16: as uint16, widened).
+_NUMPY = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "uint16"}
+_NUMPY |= {"I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8"}
+_NUMPY |= {"U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool"}
 
 # Bytes per element of each safetensors dtype code modeltap writes (others are not size-checked).
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1}
