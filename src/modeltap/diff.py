@@ -324,6 +324,12 @@ class _Ops:
     def equal(self, a: Any, value: float, out: Any) -> Any:
         return self.xp.equal(a, value, out=out) if self.numpy else self.xp.eq(a, value, out=out)
 
+    def zero_where(self, x: Any, mask: Any) -> None:
+        if self.numpy:
+            self.xp.putmask(x, mask, 0)
+        else:
+            x.masked_fill_(mask, 0)
+
     def norm(self, x: Any) -> float:
         """The L2 norm, accumulated in float64."""
         if self.numpy:
@@ -449,7 +455,7 @@ def _metrics(
         rel = xp.divide(diff, scale, out=limit)
         zeros = int(pair.numel - xp.count_nonzero(scale))
         if zeros:  # relative error is over positions where b != 0
-            rel[ops.equal(scale, 0, out=out)] = 0.0
+            ops.zero_where(rel, ops.equal(scale, 0, out=out))
         if pair.numel > zeros:
             pair.max_rel = float(rel.max())
             pair.mean_rel = float(rel.sum()) / (pair.numel - zeros)
