@@ -142,3 +142,40 @@ def test_cuda_statistics_are_exact():
     for name in ("mean", "std", "norm"):
         assert getattr(s, name) == pytest.approx(ref[name], rel=1e-12), name
     assert (s.min, s.max, s.dead, s.nan, s.inf) == (ref["min"], ref["max"], ref["dead"], 1, 0)
+
+
+# ---- many small tensors at once (issue #12) -------------------------------------------------
+
+
+def test_batch_of_small_tensors_is_exact_and_the_same_one_by_one():
+    from modeltap.stats import batch_stats
+
+    torch.manual_seed(5)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    tensors = [
+        torch.randn(2, 6, 8) * 3 + 100,  # a large mean: a one-pass sum of squares would lose it
+        torch.randn(7).to(torch.bfloat16),
+        torch.relu(torch.randn(2, 6, 5) - torch.tensor([0, 9, 0, 0, 0])),  # a dead unit, zeros
+        torch.randn(3, 4, dtype=torch.float64),
+        torch.arange(12).reshape(3, 4),  # integers: the per-tensor path
+        torch.empty(0, 3),
+        torch.tensor([[1.0, math.nan], [math.inf, 2.0]]),  # NaN/Inf: the per-tensor path
+        torch.randn(600, 500),  # above BATCH_ELEMENTS: the per-tensor path
+    ]
+    zeros = [True] * len(tensors)
+    together = batch_stats(tensors, dead_threshold=0.0, row_mask=mask, count_zeros=zeros)
+    for x, s in zip(tensors, together, strict=True):
+        alone = tensor_stats(x, row_mask=mask, count_zeros=True)
+        assert s == alone  # a tensor's numbers do not depend on its companions, to the bit
+        if not x.numel():
+            continue
+        keep = mask if x.dim() == 3 else None
+        ref = _exact_reference(x, keep)
+        for name in ("mean", "std", "norm"):
+            assert getattr(s, name) == pytest.approx(ref[name], rel=1e-7), name
+        assert (s.min, s.max) == (ref["min"], ref["max"])
+        if x.dim() >= 2:
+            assert s.dead == ref["dead"]
+        assert s.zeros == int((x == 0).sum())
+    assert together[2].dead > 0 and together[6].nan == 1 and together[6].inf == 1
