@@ -143,3 +143,54 @@ class _NullSink:
 
     def alias(self, key, target):
         pass
+
+
+def test_hooks_only_keep_outputs_during_the_forward_and_name_them_after():
+    """Issue #12: naming, flattening, aliases and the sink run after the forward, not in it."""
+    from modeltap.capture import hooks
+    from modeltap.capture.recorder import MemorySink
+
+    seen_during: list[int] = []
+
+    class Listing(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            parts = [self.a(x)]
+            seen_during.append(len(sink.tensors))
+            parts.append(self.b(parts[0]))  # a list the model grows after a module returned it
+            return parts
+
+    class Outer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Listing()
+
+        def forward(self, x):
+            parts = self.inner(x)
+            parts.append(parts[1] * 2)
+            parts[0].mul_(3)  # in place, after `inner` returned it
+            return parts[2]
+
+    torch.manual_seed(0)
+    model, x = Outer().eval(), torch.randn(2, 4)
+    sink = MemorySink()
+    with hooks(model, ["inner", "inner.a"], sink, deferred=True) as recorder:
+        with torch.no_grad():
+            model(x)
+        assert seen_during == [0] and not recorder.order  # nothing named inside the forward
+        recorder.drain()
+    # The list as `inner` returned it: two parts, not the three it had when the forward ended.
+    assert recorder.order == ["inner.a", "inner:0", "inner:1"]
+    assert recorder.aliases == {"inner:0": "inner.a"}
+    assert recorder.changed == {"inner.a", "inner:0"}  # what capture() takes again, copied
+
+    captured = capture(model, x, modules=["inner", "inner.a"])
+    with torch.no_grad():
+        a = model.inner.a(x)
+        b = model.inner.b(a)
+    assert torch.equal(captured["inner.a"], a) and torch.equal(captured["inner:1"], b)
+    assert captured.keys() == ["inner.a", "inner:0", "inner:1"]

@@ -23,6 +23,7 @@ def hooks(
     inputs: bool = False,
     train_mode: bool = False,
     replace: Callable[[str, Any], Any] | None = None,
+    deferred: bool = False,
 ) -> Iterator[Recorder]:
     """Hook `modules` (display names) of `model` for the duration of the block.
 
@@ -30,6 +31,8 @@ def hooks(
     restored in `finally`, so a model that went through here behaves exactly as before.
     `replace(name, output)`, when given, may return a new output for the model to go on with (the
     gradient run uses it to start a gradient path at frozen modules); None keeps the output.
+    `deferred` hooks only keep each output and its version; call `recorder.drain()` after the
+    forward to name them and feed the sink (for a sink that keeps every tensor anyway).
     """
     named = list(model.named_modules())
     by_name = {(n or ROOT): m for n, m in named}
@@ -46,10 +49,14 @@ def hooks(
             model.train(train_mode)
         for name in modules:
             module = by_name[name]
-            handles.append(module.register_forward_hook(_output_hook(recorder, name, replace)))
+            handles.append(
+                module.register_forward_hook(_output_hook(recorder, name, replace, deferred))
+            )
             if inputs:
                 handles.append(
-                    module.register_forward_pre_hook(_input_hook(recorder, name), with_kwargs=True)
+                    module.register_forward_pre_hook(
+                        _input_hook(recorder, name, deferred), with_kwargs=True
+                    )
                 )
         yield recorder
     finally:
@@ -63,8 +70,18 @@ def hooks(
 
 
 def _output_hook(
-    recorder: Recorder, name: str, replace: Callable[[str, Any], Any] | None = None
+    recorder: Recorder,
+    name: str,
+    replace: Callable[[str, Any], Any] | None = None,
+    deferred: bool = False,
 ) -> Callable[..., Any]:
+    if deferred and replace is None:
+        defer = recorder.defer
+
+        def deferred_hook(module: nn.Module, args: Any, output: Any) -> None:
+            defer(name, output)
+
+        return deferred_hook
     if replace is None:
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -80,9 +97,11 @@ def _output_hook(
     return replacing_hook
 
 
-def _input_hook(recorder: Recorder, name: str) -> Callable[..., None]:
+def _input_hook(recorder: Recorder, name: str, deferred: bool = False) -> Callable[..., None]:
+    take = recorder.defer if deferred else recorder.record
+
     def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        recorder.record(name, {**dict(enumerate(args)), **kwargs}, is_input=True)
+        take(name, {**dict(enumerate(args)), **kwargs}, is_input=True)
 
     return hook
 
@@ -142,21 +161,27 @@ def capture(
 
     names = modules if modules is not None else [n or ROOT for n, _ in model.named_modules()]
 
-    def once(copy_keys: frozenset[str]) -> tuple[MemorySink, Recorder, Any]:
-        sink = MemorySink(copy_keys)
+    def once(copy_keys: frozenset[str] | None) -> tuple[MemorySink, Recorder, Any]:
+        # First with hooks that only keep each output (naming after the forward); if the model
+        # changed some in place after their module returned, again, copying those as they return.
+        sink = MemorySink(copy_keys or frozenset())
         if seed is not None:
             torch.manual_seed(seed)
         else:
             torch.set_rng_state(rng)
-        with hooks(model, names, sink, inputs=inputs, train_mode=train_mode) as recorder:
+        deferred = copy_keys is None
+        with hooks(model, names, sink, inputs=inputs, train_mode=train_mode, deferred=deferred) as (
+            recorder
+        ):
             with torch.no_grad():
                 output = run_model(model, args, kwargs)
+        recorder.drain()
         return sink, recorder, output
 
     with torch.random.fork_rng(devices=[]):
         rng = torch.get_rng_state()
-        sink, recorder, output = once(frozenset())
-        changed = sink.changed()
+        sink, recorder, output = once(None)
+        changed = frozenset(recorder.changed) | sink.changed()
         if changed:
             sink, recorder, output = once(changed)
     return Captured(sink.tensors, recorder.aliases, recorder.order, recorder.skipped, output)

@@ -9,6 +9,7 @@ to disk.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -33,19 +34,61 @@ class Recorder:
     aliases: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     skipped_none: int = 0
+    # Keys whose tensor changed in place between its hook and `drain` (deferred hooks only).
+    changed: set[str] = field(default_factory=set)
+    _pending: list[tuple[str, Any, bool, Any]] = field(default_factory=list)
     _calls: dict[tuple[str, bool], int] = field(default_factory=dict)
     # (storage, offset, shape, stride, dtype, device, version) -> (weak tensor, key)
     _seen: dict[tuple[Any, ...], tuple[weakref.ref[Any], str]] = field(default_factory=dict)
 
+    def defer(self, module: str, value: Any, *, is_input: bool = False) -> None:
+        """What a hook on the forward's critical path does: keep the value and its version(s),
+        nothing else. `drain` names them after the forward."""
+        import torch
+
+        if type(value) is torch.Tensor:
+            self._pending.append((module, value, is_input, value._version))
+            return
+        # A structure is taken apart now: a list the model appends to later keeps today's parts.
+        leaves = list(flatten(value))
+        versions = [v._version for _, v in leaves if isinstance(v, torch.Tensor)]
+        self._pending.append((module, _Leaves(leaves), is_input, versions))
+
+    def drain(self) -> None:
+        """Name and hand to the sink what `defer` kept, in call order, as `record` would have; a
+        tensor changed in place since its hook goes to `changed` (its value here is not the one
+        its module returned)."""
+        import torch
+
+        pending, self._pending = self._pending, []
+        for module, value, is_input, versions in pending:
+            before = len(self.order)
+            if isinstance(value, _Leaves):
+                self._leaves(module, value.leaves, is_input)
+                now = [v._version for _, v in value.leaves if isinstance(v, torch.Tensor)]
+            else:
+                self.record(module, value, is_input=is_input)
+                now, versions = [value._version], [versions]
+            # One key per tensor leaf, in the same order.
+            keys = self.order[before:]
+            self.changed.update(k for k, v, w in zip(keys, versions, now, strict=True) if v != w)
+
     def record(self, module: str, value: Any, *, is_input: bool = False) -> None:
+        import torch
+
+        if not is_input and isinstance(value, torch.Tensor):  # the common case, kept cheap
+            call = self._calls.get((module, is_input), 0)
+            self._calls[(module, is_input)] = call + 1
+            self._tensor(make_key(module, call), value)
+            return
+        self._leaves(module, flatten(value), is_input)
+
+    def _leaves(self, module: str, leaves: Iterable[tuple[str, Any]], is_input: bool) -> None:
         import torch
 
         call = self._calls.get((module, is_input), 0)
         self._calls[(module, is_input)] = call + 1
-        if not is_input and isinstance(value, torch.Tensor):  # the common case, kept cheap
-            self._tensor(make_key(module, call), value)
-            return
-        for path, leaf in flatten(value):
+        for path, leaf in leaves:
             part = _join(INPUT_PART, path) if is_input else path
             key = make_key(module, call, part)
             if isinstance(leaf, torch.Tensor):
@@ -77,6 +120,13 @@ class Recorder:
             return
         self._seen[fingerprint] = (weakref.ref(tensor), key)
         self.sink.tensor(key, tensor)
+
+
+@dataclass
+class _Leaves:
+    """A structured output taken apart by a deferred hook: (path, leaf) pairs."""
+
+    leaves: list[tuple[str, Any]]
 
 
 @dataclass
