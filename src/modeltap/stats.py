@@ -280,20 +280,33 @@ def _batched(
         nonzero = None
         if any(zeros_wanted[i] for i in batched):
             nonzero = np.add.reduceat(flat != 0, offsets, dtype=np.int64)
-        finite = np.isfinite(means) & np.isfinite(m2)
-        for j, i in enumerate(batched):
+        finite = (np.isfinite(means) & np.isfinite(m2)).tolist()
+        # The per-tensor numbers as _moments_into has them, for all tensors at once.
+        stds = np.sqrt(m2 / np.maximum(counts - 1, 1))
+        stds[counts == 1] = 0.0
+        norms = np.sqrt(m2 + counts * means * means)
+        numbers = (means, stds, norms, lows, highs)
+        columns = zip(*(a.tolist() for a in numbers), strict=True)
+        for j, (i, (mean, std, norm, lo, hi)) in enumerate(zip(batched, columns, strict=True)):
             if not finite[j]:
                 continue
-            x, values = tensors[i], arrays[j]
-            base = {"shape": list(x.shape), "dtype": dtype_name(x.dtype), "numel": x.numel()}
-            result: dict[str, Any] = dict(base, nan=0, inf=0)
-            moments = _Moments(int(counts[j]), float(means[j]), float(m2[j]))
-            _moments_into(result, moments, float(lows[j]), float(highs[j]))
+            x = tensors[i]
+            shape = list(x.shape)
+            result: dict[str, Any] = {
+                "shape": shape,
+                "dtype": dtype_name(x.dtype),
+                "numel": int(counts[j]),
+                "norm": norm,
+                "mean": mean,
+                "std": std,
+                "min": lo,
+                "max": hi,
+            }
             if zeros_wanted[i] and nonzero is not None:
                 result["zeros"] = int(counts[j] - nonzero[j])
-            if x.dim() >= 2:
-                units = base["shape"][-1]
-                rows = values.reshape(-1, units)
+            if len(shape) >= 2:
+                units = shape[-1]
+                rows = arrays[j].reshape(-1, units)
                 keep = _rows_to_keep(x, row_mask)
                 if keep is not None:
                     rows = rows[keep.numpy()]
