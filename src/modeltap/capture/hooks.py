@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 @contextmanager
 def hooks(
     model: nn.Module,
-    modules: list[str],
+    modules: list[str] | None,
     sink: Sink,
     *,
     inputs: bool = False,
@@ -25,7 +25,8 @@ def hooks(
     replace: Callable[[str, Any], Any] | None = None,
     deferred: bool = False,
 ) -> Iterator[Recorder]:
-    """Hook `modules` (display names) of `model` for the duration of the block.
+    """Hook `modules` (display names; None: every module) of `model` for the duration of the
+    block.
 
     The model is put in eval mode (unless `train_mode`) and every hook is removed and `training`
     restored in `finally`, so a model that went through here behaves exactly as before.
@@ -36,6 +37,8 @@ def hooks(
     """
     named = list(model.named_modules())
     by_name = {(n or ROOT): m for n, m in named}
+    if modules is None:  # every module
+        modules = list(by_name)
     missing = [n for n in modules if n not in by_name]
     if missing:
         raise SelectionError(unknown_name_message(missing[0], by_name))
@@ -159,8 +162,6 @@ def capture(
     """
     import torch
 
-    names = modules if modules is not None else [n or ROOT for n, _ in model.named_modules()]
-
     def once(copy_keys: frozenset[str] | None) -> tuple[MemorySink, Recorder, Any]:
         # First with hooks that only keep each output (naming after the forward); if the model
         # changed some in place after their module returned, again, copying those as they return.
@@ -169,10 +170,8 @@ def capture(
             torch.manual_seed(seed)
         else:
             torch.set_rng_state(rng)
-        deferred = copy_keys is None
-        with hooks(model, names, sink, inputs=inputs, train_mode=train_mode, deferred=deferred) as (
-            recorder
-        ):
+        options = {"inputs": inputs, "train_mode": train_mode, "deferred": copy_keys is None}
+        with hooks(model, modules, sink, **options) as recorder:
             with torch.no_grad():
                 output = run_model(model, args, kwargs)
         recorder.drain()

@@ -9,7 +9,7 @@ to disk.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -61,17 +61,23 @@ class Recorder:
         import torch
 
         pending, self._pending = self._pending, []
+        calls = self._calls
         for module, value, is_input, versions in pending:
-            before = len(self.order)
             if isinstance(value, _Leaves):
-                self._leaves(module, value.leaves, is_input)
+                before = len(self.order)
+                self._leaves(module, value.leaves, is_input, iter(versions))
                 now = [v._version for _, v in value.leaves if isinstance(v, torch.Tensor)]
-            else:
-                self.record(module, value, is_input=is_input)
-                now, versions = [value._version], [versions]
-            # One key per tensor leaf, in the same order.
-            keys = self.order[before:]
-            self.changed.update(k for k, v, w in zip(keys, versions, now, strict=True) if v != w)
+                # One key per tensor leaf, in the same order.
+                keys = self.order[before:]
+                changed = (k for k, v, w in zip(keys, versions, now, strict=True) if v != w)
+                self.changed.update(changed)
+                continue
+            call = calls.get((module, False), 0)
+            calls[(module, False)] = call + 1
+            key = make_key(module, call)
+            self._tensor(key, value, versions)
+            if value._version != versions:
+                self.changed.add(key)
 
     def record(self, module: str, value: Any, *, is_input: bool = False) -> None:
         import torch
@@ -83,7 +89,13 @@ class Recorder:
             return
         self._leaves(module, flatten(value), is_input)
 
-    def _leaves(self, module: str, leaves: Iterable[tuple[str, Any]], is_input: bool) -> None:
+    def _leaves(
+        self,
+        module: str,
+        leaves: Iterable[tuple[str, Any]],
+        is_input: bool,
+        versions: Iterator[int] | None = None,
+    ) -> None:
         import torch
 
         call = self._calls.get((module, is_input), 0)
@@ -92,14 +104,17 @@ class Recorder:
             part = _join(INPUT_PART, path) if is_input else path
             key = make_key(module, call, part)
             if isinstance(leaf, torch.Tensor):
-                self._tensor(key, leaf)
+                self._tensor(key, leaf, None if versions is None else next(versions))
             elif leaf is None:
                 self.skipped_none += 1
             else:
                 self.skipped[key] = type(leaf).__name__
 
-    def _tensor(self, key: str, tensor: torch.Tensor) -> None:
+    def _tensor(self, key: str, tensor: torch.Tensor, version: int | None = None) -> None:
+        """`version`: the tensor's version when its module returned, if that was earlier."""
         self.order.append(key)
+        if version is None:
+            version = tensor._version
         try:
             # data_ptr() already includes the storage offset.
             fingerprint: tuple[Any, ...] = (
@@ -108,10 +123,10 @@ class Recorder:
                 tensor.stride(),
                 tensor.dtype,
                 tensor.device,
-                tensor._version,
+                version,
             )
         except RuntimeError:  # sparse and other layouts without one data pointer
-            fingerprint = (id(tensor), tensor._version)
+            fingerprint = (id(tensor), version)
         seen = self._seen.get(fingerprint)
         # A dead weak reference means the memory was freed and reused: a different tensor.
         if seen is not None and seen[0]() is not None:
