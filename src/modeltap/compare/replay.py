@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -52,7 +53,16 @@ from modeltap.compare.shortcut import (
     versions,
 )
 from modeltap.compare.variants import compute_dtype, model_device
-from modeltap.diff import DiffReport, Pair, Tolerance, _Buffers, apply_map, compare, parse_map
+from modeltap.diff import (
+    DiffReport,
+    Pair,
+    Tolerance,
+    _Buffers,
+    _norm,
+    apply_map,
+    compare,
+    parse_map,
+)
 from modeltap.dump import DumpWriter, _read_header, _torch_dtype, load_dump
 from modeltap.errors import first_line
 from modeltap.loading import Inputs
@@ -130,6 +140,7 @@ def compare_models(
         cumulative = _Cumulative(cand_dump, _TensorReader(cand_path), rules, options)
         replayer = _Replayer(reference, cand_names, results, options)
         replayer.buffers = cumulative.buffers  # one set of work buffers: they are the largest
+        replayer.ref_norms = cumulative.ref_norms
         with ExitStack() as stack:
             sinks: list[Any] = [cumulative]
             ref_writer = None
@@ -265,6 +276,7 @@ class _Cumulative:
         self.only_ref: list[str] = []
         self.matched: set[str] = set()
         self.buffers = _Buffers()
+        self.ref_norms: dict[str, float | None] = {}  # reference key -> its L2 norm
 
     def tensor(self, key: str, tensor: torch.Tensor) -> None:
         other = self.by_ref.get(key)
@@ -280,14 +292,17 @@ class _Cumulative:
             (t for glob, t in self.options.overrides if fnmatchcase(other, glob)),
             self.options.tolerance,
         )
-        pair = compare(
+        ref = tensor.detach()
+        norm = self.ref_norms[key] = _l2(ref)
+        pair = _compare(
             other,
             key,
             self.reader.read(stored),
-            tensor.detach(),
+            ref,
             tol,
             equal_nan=self.options.equal_nan,
             upcast=True,
+            norms=(_norm(self.cand, stored), norm),  # the candidate's from its dump's statistics
             buffers=self.buffers,
         )
         self.done[stored] = pair
@@ -304,6 +319,7 @@ class _Cumulative:
         if pair is not None:
             pair.aliases.append(other)
             self.by_key[key] = pair
+            self.ref_norms[key] = self.ref_norms.get(target)
 
     def report(self, cand_path: Path, ref_path: Path) -> DiffReport:
         only_cand = [
@@ -342,6 +358,7 @@ class _Replayer:
         root = cand_modules[ROOT]
         self.default = (compute_dtype(root), model_device(root))
         self.placement: dict[str, tuple[Any, Any]] = {}
+        self.ref_norms: dict[str, float | None] = {}  # the cumulative sink's, shared
         # Attention masks are built by the model in its attention implementation's format
         # (sdpa: boolean, eager: additive). A candidate with another implementation gets the
         # reference's masks in the additive form, which every implementation reads.
@@ -401,15 +418,7 @@ class _Replayer:
         dtype, device = self._cand_placement(name)
         masks = self.additive_masks
         records = frame.records
-        fallback = None
-        if records:
-            try:
-                child = changed(records)
-                if child is not None:
-                    raise Mismatch(f"'{child}''s output was changed in place after it returned")
-                check_castable(records)
-            except Mismatch as exc:
-                fallback = str(exc)
+        fallback = _cannot_stand_in(records)
         self.active = True
         try:
             with torch.random.fork_rng(devices=_rng_devices(device)), torch.no_grad():
@@ -422,9 +431,8 @@ class _Replayer:
                     except Mismatch as exc:
                         fallback = str(exc)
                     except (RuntimeError, TypeError, ValueError, IndexError) as exc:
-                        result.status = "replay_error"
-                        result.note = first_line(exc)
-                        return
+                        # Maybe the stand-ins' doing: the full replay tells.
+                        fallback = f"the short-circuited replay failed: {first_line(exc)}"
                     if fallback is None and changed(records) is not None:
                         result.valid = False
                         result.note = "its replay changed a child's output in place"
@@ -461,7 +469,7 @@ class _Replayer:
                 (t for glob, t in self.options.overrides if fnmatchcase(key, glob)),
                 self.options.tolerance,
             )
-            pair = compare(
+            pair = _compare(
                 key,
                 key,
                 value.detach().to(ref.device),
@@ -469,6 +477,8 @@ class _Replayer:
                 tol,
                 equal_nan=self.options.equal_nan,
                 upcast=True,
+                # the reference's norm, taken once for its cumulative pair
+                norms=(None, self.ref_norms.get(key)),
                 buffers=self.buffers,
             )
             result.local.append(pair)
@@ -520,6 +530,46 @@ class _Replayer:
             result.replay = SHORT_CIRCUIT
         elif not result.replay:
             result.replay = LEAF
+
+
+def _compare(
+    key: str, other: str, a: torch.Tensor, b: torch.Tensor, tol: Tolerance, **kwargs: Any
+) -> Pair:
+    """diff's `compare` of a candidate's tensor `a` with the reference's `b`. A bfloat16 or
+    float16 `a` against a float32 `b` is compared in float32, where each of its values is exact,
+    rather than in the float64 diff takes for two dtypes: half the work buffers' memory and
+    traffic (they are sized by the largest output). The pair still names both dtypes."""
+    import torch
+
+    from modeltap.stats import dtype_name
+
+    low = a.dtype in (torch.bfloat16, torch.float16) and b.dtype == torch.float32
+    pair = compare(key, other, a.float() if low else a, b, tol, **kwargs)
+    if low:
+        pair.dtype, pair.other_dtype = dtype_name(a.dtype), dtype_name(b.dtype)
+    return pair
+
+
+def _cannot_stand_in(records: list[Record]) -> str | None:
+    """Why the recorded children can't stand in for themselves, known before any replay."""
+    try:
+        child = changed(records)
+        if child is not None:
+            raise Mismatch(f"'{child}''s output was changed in place after it returned")
+        check_castable(records)
+    except Mismatch as exc:
+        return str(exc)
+    return None
+
+
+def _l2(tensor: torch.Tensor) -> float | None:
+    """The L2 norm diff's cosine takes (in float64), or None where it doesn't apply."""
+    import torch
+
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return None
+    norm = float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
+    return norm if math.isfinite(norm) else None
 
 
 def _depth(name: str) -> int:
