@@ -442,6 +442,9 @@ def test_a_child_output_changed_in_place_falls_back_to_a_full_replay():
         assert "output was changed in place" in block.replay_note
         assert report.to_json()["full_replay"][name] == block.replay_note
     assert by_name["head"].replay == "leaf" and by_name["__root__"].replay == "short_circuit"
+    from modeltap.render import compare_heading
+
+    assert "; 2 in full (children computed again" in compare_heading(report).plain
     # Replayed in full, the block measures its child's error too: it is not an origin.
     assert [m.name for m in report.origins] == ["blocks.0.inner"]
     assert by_name["blocks.0"].verdict == "via_child" and by_name["blocks.0"].local_out
