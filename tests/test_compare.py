@@ -1,5 +1,6 @@
 """`compare`: origins found by replay, checked against faults injected and errors computed here."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -127,7 +128,7 @@ def test_fault_in_tiny_bert_is_the_only_origin(bert6, bert6_fault):
     result = invoke(bert6, bert6_fault, *TEXTS, "--json")
     assert result.exit_code == 1, result.output
     report = json.loads(result.stdout)
-    assert report["schema"] == "modeltap.compare/1"
+    assert report["schema"] == "modeltap.compare/2"
     check_fault_report(report, expected_local_error(bert6, bert6_fault))
     table = invoke(bert6, bert6_fault, *TEXTS)
     assert table.exit_code == 1
@@ -335,3 +336,148 @@ def test_backends_need_a_depth(bert_dir):
     result = invoke(bert_dir, "hello", "--against", "export")
     assert result.exit_code == 2
     assert "--against export replays at one depth: give --depth N" in result.stderr
+
+
+class Block(torch.nn.Module):
+    """Two selected children (a small MLP), then its own code: a residual add and a LayerNorm
+    written with F.layer_norm, so that only the block itself can err in it."""
+
+    def __init__(self, width: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(width))
+        self.bias = torch.nn.Parameter(0.1 * torch.randn(width))
+        self.eps = eps
+
+    def forward(self, x):
+        h = self.down(torch.nn.functional.gelu(self.up(x)))
+        return torch.nn.functional.layer_norm(x + h, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, block: type[torch.nn.Module] = Block, width: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([block(width), block(width)])
+        self.head = torch.nn.Linear(width, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def compare_stack(reference, candidate, x, tolerance):
+    return compare_models(
+        reference,
+        candidate,
+        Inputs((x,), {}, {}),
+        select_modules(reference, Selection()),
+        Path.cwd(),
+        options=Options(tolerance=tolerance),
+    )
+
+
+def test_a_parents_local_error_is_its_own_codes():
+    """A candidate whose first block's LayerNorm has another eps, and whose `up` weights are
+    0.3% off (within tolerance): the block is the only origin, and its local error is that of
+    its own code alone (the residual add and the LayerNorm on the reference's input and its
+    children's reference outputs), not that of the whole block with its children."""
+    reference = Stack().eval()
+    candidate = copy.deepcopy(reference)
+    candidate.blocks[0].eps = 0.1
+    with torch.no_grad():
+        candidate.blocks[0].up.weight *= 1.003
+    torch.manual_seed(1)
+    x = torch.randn(3, 5, 16)
+    report = compare_stack(reference, candidate, x, Tolerance(atol=0, rtol=0, scaled_atol=0.01))
+    by_name = {m.name: m for m in report.modules}
+    assert [m.name for m in report.origins] == ["blocks.0"]
+    assert by_name["blocks.0"].replay == "short_circuit"
+    assert by_name["blocks.0.up"].verdict == "ok" and by_name["blocks.0.up"].local_error > 1e-3
+    assert by_name["blocks.0.down"].verdict == "ok"
+    assert by_name["blocks.1"].local_error == 0.0  # the same code on the same inputs
+    assert by_name["__root__"].holds_origin and not by_name["__root__"].origin
+
+    block = reference.blocks[0]
+    with torch.no_grad():
+        h = block.down(torch.nn.functional.gelu(block.up(x)))  # the children's reference outputs
+        want = block(x)
+        got = torch.nn.functional.layer_norm(x + h, (16,), block.weight, block.bias, 0.1)
+        whole = candidate.blocks[0](x)  # the block with its children computed again
+    expected = float((got - want).abs().max() / want.abs().max())
+    assert by_name["blocks.0"].local_error == pytest.approx(expected, rel=1e-5)
+    whole_error = float((whole - want).abs().max() / want.abs().max())
+    assert whole_error != pytest.approx(expected, rel=1e-4)
+
+
+class InPlaceBlock(torch.nn.Module):
+    """Changes its child's output in place after the child returned it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        h = self.inner(x)
+        h += x
+        return torch.tanh(h)
+
+
+def test_a_child_output_changed_in_place_falls_back_to_a_full_replay():
+    reference = Stack(InPlaceBlock).eval()
+    candidate = copy.deepcopy(reference)
+    with torch.no_grad():
+        candidate.blocks[0].inner.weight[0] *= (
+            1.5  # a fault in the in-place block's child  # a fault in a child of the in-place block
+        )
+    torch.manual_seed(1)
+    report = compare_stack(reference, candidate, torch.randn(3, 16), Tolerance(atol=1e-5))
+    by_name = {m.name: m for m in report.modules}
+    for name in ("blocks.0", "blocks.1"):
+        block = by_name[name]
+        # A stand-in would hand the replay `inner`'s output with the residual already added in.
+        assert block.replay == "full" and block.valid, name
+        assert "output was changed in place" in block.replay_note
+        assert report.to_json()["full_replay"][name] == block.replay_note
+    assert by_name["head"].replay == "leaf" and by_name["__root__"].replay == "short_circuit"
+    from modeltap.render import compare_heading
+
+    assert "; 2 in full (children computed again" in compare_heading(report).plain
+    # Replayed in full, the block measures its child's error too: it is not an origin.
+    assert [m.name for m in report.origins] == ["blocks.0.inner"]
+    assert by_name["blocks.0"].verdict == "via_child" and by_name["blocks.0"].local_out
+    assert by_name["blocks.1"].verdict == "inherited"
+
+
+class CountingLinear(torch.nn.Linear):
+    calls = 0
+
+    def forward(self, x):
+        CountingLinear.calls += 1
+        return super().forward(x)
+
+
+class CountingBlock(Block):
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.up = CountingLinear(width, 2 * width)
+
+
+def test_short_circuited_children_are_not_computed_again():
+    """Each `up` runs in the reference's forward, in the candidate's, and in its own two
+    replays (reference and candidate): its parents' replays (the block, the root) don't run it."""
+    reference = Stack(CountingBlock).eval()
+    candidate = make_candidate(reference, parse_against(None), shared=True)
+    CountingLinear.calls = 0
+    report = compare_stack(reference, candidate, torch.randn(3, 16), Tolerance())
+    assert report.passed
+    assert CountingLinear.calls == 2 * 4
+    assert {m.replay for m in report.modules if m.name.startswith("blocks.")} == {
+        "short_circuit",
+        "leaf",
+    }
+    assert type(reference.blocks[0].up).forward is CountingLinear.forward
+    assert "forward" not in vars(reference.blocks[0].up)  # the stand-ins are gone
+    assert "forward" not in vars(candidate.blocks[0].up)

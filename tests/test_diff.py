@@ -340,3 +340,28 @@ def test_all_nan_pair_with_junit_says_nan_and_suggests_equal_nan(tmp_path):
     failure = ET.parse(junit).getroot().find("testcase/failure")
     assert "6 NaN mismatches" in failure.get("message")
     assert "--equal-nan" in failure.get("message")
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(5, 7),
+        torch.zeros(4),
+        torch.tensor([0.0, -3.0, 2.0]),
+        torch.randn(6).bfloat16(),
+        torch.tensor([1.0, float("inf")]),  # not finite: the passes decide
+    ],
+)
+def test_equal_tensors_skip_the_passes_with_the_same_result(tensor, monkeypatch):
+    """Two equal tensors are compared without the metric passes: every field as the passes
+    would fill it (checked by turning the shortcut off)."""
+    from dataclasses import asdict
+
+    import modeltap.diff
+
+    tol = Tolerance(atol=1e-6, rtol=1e-3, scaled_atol=0.05, min_cosine=0.999)
+    fast = compare("a", "b", tensor, tensor.clone(), tol)
+    monkeypatch.setattr(modeltap.diff, "_identical", lambda *args: False)
+    slow = compare("a", "b", tensor, tensor.clone(), tol)
+    assert asdict(fast) == asdict(slow)
+    assert fast.ok

@@ -761,6 +761,9 @@ def compare_heading(report: Any) -> Text:
         text.append(f" (at --depth {report.replay_depth} and above)")
     if report.replay_note:
         text.append(f"; {report.replay_note}")
+    full = report.full_replays
+    if full:
+        text.append(f"; {len(full)} in full (children computed again, --json says why)")
     invalid = report.invalid
     if invalid:
         text.append(f"; {len(invalid)} not reproduced by their own replay: ", style="magenta")
@@ -769,7 +772,7 @@ def compare_heading(report: Any) -> Text:
     origins = report.origins
     if origins:
         text.append(f"{len(origins)} origin{'s' if len(origins) > 1 else ''}", style="bold red")
-        text.append(" (local error out of tolerance, no child's is), worst first:\n")
+        text.append(" (its own code's local error out of tolerance), worst first:\n")
         for rank, module in enumerate(origins[:DIFF_ROWS], 1):
             text.append(f"  {rank}. ")
             text.append(module.name, style="bold red")

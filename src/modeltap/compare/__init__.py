@@ -1,5 +1,6 @@
-"""`compare`: run two variants of a model, replay every module, and say which one introduced the
-error (`replay`), as a report (`report`) on a candidate built from the reference (`variants`).
+"""`compare`: run two variants of a model, replay every module with its selected children
+short-circuited to the reference's outputs (`replay`, `shortcut`), and say which one introduced
+the error, as a report (`report`) on a candidate built from the reference (`variants`).
 
 Reuses diff for every tensor comparison, tolerance and the first divergence.
 """

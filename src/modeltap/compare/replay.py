@@ -4,18 +4,26 @@
 2. The reference runs with the same modules hooked. In each module's forward hook:
    - its outputs are compared with the candidate's (read back from disk one tensor at a time):
      the **cumulative** error, with diff's metrics and tolerances;
-   - the reference module is called again on its exact args and kwargs, and must reproduce its
-     output bit for bit (**validation**: a module with hidden state, randomness or an input it
-     changes in place can't be replayed faithfully, and is flagged rather than blamed);
-   - the candidate's corresponding module is called on the same args and kwargs, cast to its
-     dtype and moved to its device: its output against the reference's is the **local** error,
-     the error the module makes by itself from perfect inputs.
-   Nothing is stored: the replays' outputs are compared and dropped before the forward goes on.
+   - the candidate's corresponding module is called on the module's exact args and kwargs, cast
+     to its dtype and moved to its device, with each of its selected children short-circuited:
+     the child returns the reference child's output of that call (cast the same way) instead of
+     running (see `shortcut`). Its output against the reference's is the **local** error: the
+     error of the module's own code, from perfect inputs and perfect children's outputs. Every
+     operation of the model so runs in one module's replay only: all replays together cost
+     about one candidate forward, not one per nesting level;
+   - the reference module is replayed the same way and must reproduce its output bit for bit
+     (**validation**: a module with hidden state, randomness or an input it changes in place
+     can't be replayed faithfully, and is flagged rather than blamed).
+   A module whose children can't stand in faithfully (an output changed in place after it
+   returned, calls in another order, an output that can't be cast) is replayed in full, with
+   its children computed again, and the report says so.
+   Nothing is stored but each running module's children's outputs, freed as it returns.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -25,9 +33,36 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modeltap.capture import Recorder, flatten, hooks, make_key, run_model
-from modeltap.compare.report import REPLAYED, CompareReport, ModuleResult, attribute
+from modeltap.compare.report import (
+    FULL,
+    LEAF,
+    REPLAYED,
+    SHORT_CIRCUIT,
+    CompareReport,
+    ModuleResult,
+    attribute,
+)
+from modeltap.compare.shortcut import (
+    Frame,
+    Mismatch,
+    Record,
+    Shortcut,
+    changed,
+    check_castable,
+    rebuild,
+    versions,
+)
 from modeltap.compare.variants import compute_dtype, model_device
-from modeltap.diff import DiffReport, Pair, Tolerance, _Buffers, apply_map, compare, parse_map
+from modeltap.diff import (
+    DiffReport,
+    Pair,
+    Tolerance,
+    _Buffers,
+    _norm,
+    apply_map,
+    compare,
+    parse_map,
+)
 from modeltap.dump import DumpWriter, _read_header, _torch_dtype, load_dump
 from modeltap.errors import first_line
 from modeltap.loading import Inputs
@@ -105,6 +140,7 @@ def compare_models(
         cumulative = _Cumulative(cand_dump, _TensorReader(cand_path), rules, options)
         replayer = _Replayer(reference, cand_names, results, options)
         replayer.buffers = cumulative.buffers  # one set of work buffers: they are the largest
+        replayer.ref_norms = cumulative.ref_norms
         with ExitStack() as stack:
             sinks: list[Any] = [cumulative]
             ref_writer = None
@@ -240,6 +276,7 @@ class _Cumulative:
         self.only_ref: list[str] = []
         self.matched: set[str] = set()
         self.buffers = _Buffers()
+        self.ref_norms: dict[str, float | None] = {}  # reference key -> its L2 norm
 
     def tensor(self, key: str, tensor: torch.Tensor) -> None:
         other = self.by_ref.get(key)
@@ -255,14 +292,17 @@ class _Cumulative:
             (t for glob, t in self.options.overrides if fnmatchcase(other, glob)),
             self.options.tolerance,
         )
-        pair = compare(
+        ref = tensor.detach()
+        norm = self.ref_norms[key] = _l2(ref)
+        pair = _compare(
             other,
             key,
             self.reader.read(stored),
-            tensor.detach(),
+            ref,
             tol,
             equal_nan=self.options.equal_nan,
             upcast=True,
+            norms=(_norm(self.cand, stored), norm),  # the candidate's from its dump's statistics
             buffers=self.buffers,
         )
         self.done[stored] = pair
@@ -279,6 +319,7 @@ class _Cumulative:
         if pair is not None:
             pair.aliases.append(other)
             self.by_key[key] = pair
+            self.ref_norms[key] = self.ref_norms.get(target)
 
     def report(self, cand_path: Path, ref_path: Path) -> DiffReport:
         only_cand = [
@@ -297,7 +338,8 @@ class _Cumulative:
 
 
 class _Replayer:
-    """Replays a reference module's call on the reference itself and on the candidate."""
+    """Replays a reference module's call on the reference itself and on the candidate, its
+    selected children short-circuited to their recorded outputs."""
 
     def __init__(
         self,
@@ -306,6 +348,7 @@ class _Replayer:
         results: dict[str, ModuleResult],
         options: Options,
     ) -> None:
+        self.ref_modules = {(n or ROOT): m for n, m in reference.named_modules()}
         self.cand_modules = cand_modules
         self.results = results
         self.options = options
@@ -314,12 +357,46 @@ class _Replayer:
         # A module without weights (an activation, a dropout) computes in the candidate's dtype.
         root = cand_modules[ROOT]
         self.default = (compute_dtype(root), model_device(root))
+        self.placement: dict[str, tuple[Any, Any]] = {}
+        self.ref_norms: dict[str, float | None] = {}  # the cumulative sink's, shared
         # Attention masks are built by the model in its attention implementation's format
         # (sdpa: boolean, eager: additive). A candidate with another implementation gets the
         # reference's masks in the additive form, which every implementation reads.
         self.additive_masks = _attn_impl(reference) != _attn_impl(root)
 
-    def __call__(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def within_depth(self, name: str) -> bool:
+        depth = self.options.replay_depth
+        return depth is None or _depth(name) <= depth
+
+    def wants(self, name: str) -> bool:
+        """Whether a call of `name` will be replayed, so its children's outputs are kept."""
+        return self.results[name].status == REPLAYED and self.within_depth(name)
+
+    def can_stand_in(self, name: str) -> bool:
+        """Whether `name` can be short-circuited in its caller's replay: it has a counterpart in
+        the candidate and is replayed itself (below the replay depth, the caller computes it)."""
+        return self.results[name].other is not None and self.within_depth(name)
+
+    def _cand_placement(self, name: str) -> tuple[Any, Any]:
+        """dtype and device of the candidate's counterpart of reference module `name`."""
+        found = self.placement.get(name)
+        if found is None:
+            cand = self.cand_modules[self.results[name].other or ""]
+            found = self.placement[name] = _module_dtype_device(cand) or self.default
+        return found
+
+    def _to_candidate(self, name: str, output: Any) -> Any:
+        dtype, device = self._cand_placement(name)
+
+        def leaf(t: torch.Tensor) -> torch.Tensor:
+            floating = dtype if t.is_floating_point() else None
+            return t.detach().to(device=device, dtype=floating, copy=True)
+
+        return rebuild(output, leaf)
+
+    def __call__(
+        self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any, frame: Frame
+    ) -> None:
         import torch
 
         result = self.results[name]
@@ -327,34 +404,56 @@ class _Replayer:
         result.calls += 1
         if result.status != REPLAYED:
             return
-        if self.options.replay_depth is not None and _depth(name) > self.options.replay_depth:
+        if not self.within_depth(name):
             result.status = "not_replayed"
             return
         why = _not_replayable(module, args, kwargs)
         if why:
             result.status = why
             return
+        if any(not r.valid for r in frame.records):
+            result.valid = False
+            result.note = "a selected child does not reproduce its own output"
         cand = self.cand_modules[result.other or ""]
-        dtype, device = _module_dtype_device(cand) or self.default
+        dtype, device = self._cand_placement(name)
+        masks = self.additive_masks
+        records = frame.records
+        fallback = _cannot_stand_in(records)
         self.active = True
         try:
             with torch.random.fork_rng(devices=_rng_devices(device)), torch.no_grad():
-                again = module(*_cast(args, None, None), **_cast(kwargs, None, None))
+                replayed = None
+                if records and fallback is None:
+                    try:
+                        again, replayed = self._short_circuited(
+                            module, cand, args, kwargs, records, dtype, device
+                        )
+                    except Mismatch as exc:
+                        fallback = str(exc)
+                    except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+                        # Maybe the stand-ins' doing: the full replay tells.
+                        fallback = f"the short-circuited replay failed: {first_line(exc)}"
+                    if fallback is None and changed(records) is not None:
+                        result.valid = False
+                        result.note = "its replay changed a child's output in place"
+                if replayed is None:
+                    again = module(*_cast(args, None, None), **_cast(kwargs, None, None))
+                    try:
+                        replayed = cand(
+                            *_cast(args, dtype, device, masks),
+                            **_cast(kwargs, dtype, device, masks),
+                        )
+                    except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+                        result.status = "replay_error"
+                        result.note = first_line(exc)
+                        return
                 if not _identical(again, output):
                     result.valid = False
                     result.note = "replaying the reference did not reproduce its output"
                 del again
-                try:
-                    masks = self.additive_masks
-                    replayed = cand(
-                        *_cast(args, dtype, device, masks), **_cast(kwargs, dtype, device, masks)
-                    )
-                except (RuntimeError, TypeError, ValueError, IndexError) as exc:
-                    result.status = "replay_error"
-                    result.note = first_line(exc)
-                    return
         finally:
             self.active = False
+        self._mode(result, records, frame.inline, fallback)
         expected = dict(flatten(output))
         got = dict(flatten(replayed))
         for part, ref in expected.items():
@@ -370,7 +469,7 @@ class _Replayer:
                 (t for glob, t in self.options.overrides if fnmatchcase(key, glob)),
                 self.options.tolerance,
             )
-            pair = compare(
+            pair = _compare(
                 key,
                 key,
                 value.detach().to(ref.device),
@@ -378,9 +477,99 @@ class _Replayer:
                 tol,
                 equal_nan=self.options.equal_nan,
                 upcast=True,
+                # the reference's norm, taken once for its cumulative pair
+                norms=(None, self.ref_norms.get(key)),
                 buffers=self.buffers,
             )
             result.local.append(pair)
+
+    def _short_circuited(
+        self,
+        module: nn.Module,
+        cand: nn.Module,
+        args: Any,
+        kwargs: Any,
+        records: list[Record],
+        dtype: Any,
+        device: Any,
+    ) -> tuple[Any, Any]:
+        """The reference's and the candidate's replays, each child standing in with its
+        recorded output (the candidate's cast to its counterpart's dtype and device)."""
+        reference = Shortcut(records, self.ref_modules.__getitem__, lambda r: r.output)
+        with reference:
+            again = module(*_cast(args, None, None), **_cast(kwargs, None, None))
+        reference.check()
+        masks = self.additive_masks
+        candidate = Shortcut(
+            records,
+            lambda name: self.cand_modules[self.results[name].other or ""],
+            lambda r: self._to_candidate(r.child, r.output),
+        )
+        with candidate:
+            replayed = cand(
+                *_cast(args, dtype, device, masks), **_cast(kwargs, dtype, device, masks)
+            )
+        candidate.check()
+        return again, replayed
+
+    @staticmethod
+    def _mode(
+        result: ModuleResult, records: list[Record], inline: list[str], fallback: str | None
+    ) -> None:
+        """How this call was replayed; a module replayed in full once is reported in full."""
+        if fallback is not None or inline:
+            if result.replay != FULL:
+                why = fallback or (
+                    "computes in the replay its children "
+                    + ", ".join(dict.fromkeys(inline))
+                    + " (no counterpart, or below the replay depth)"
+                )
+                result.replay_note = why
+            result.replay = FULL
+        elif records and result.replay != FULL:
+            result.replay = SHORT_CIRCUIT
+        elif not result.replay:
+            result.replay = LEAF
+
+
+def _compare(
+    key: str, other: str, a: torch.Tensor, b: torch.Tensor, tol: Tolerance, **kwargs: Any
+) -> Pair:
+    """diff's `compare` of a candidate's tensor `a` with the reference's `b`. A bfloat16 or
+    float16 `a` against a float32 `b` is compared in float32, where each of its values is exact,
+    rather than in the float64 diff takes for two dtypes: half the work buffers' memory and
+    traffic (they are sized by the largest output). The pair still names both dtypes."""
+    import torch
+
+    from modeltap.stats import dtype_name
+
+    low = a.dtype in (torch.bfloat16, torch.float16) and b.dtype == torch.float32
+    pair = compare(key, other, a.float() if low else a, b, tol, **kwargs)
+    if low:
+        pair.dtype, pair.other_dtype = dtype_name(a.dtype), dtype_name(b.dtype)
+    return pair
+
+
+def _cannot_stand_in(records: list[Record]) -> str | None:
+    """Why the recorded children can't stand in for themselves, known before any replay."""
+    try:
+        child = changed(records)
+        if child is not None:
+            raise Mismatch(f"'{child}''s output was changed in place after it returned")
+        check_castable(records)
+    except Mismatch as exc:
+        return str(exc)
+    return None
+
+
+def _l2(tensor: torch.Tensor) -> float | None:
+    """The L2 norm diff's cosine takes (in float64), or None where it doesn't apply."""
+    import torch
+
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return None
+    norm = float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
+    return norm if math.isfinite(norm) else None
 
 
 def _depth(name: str) -> int:
@@ -470,24 +659,47 @@ def _reference_hooks(
     replayer: _Replayer,
     train_mode: bool,
 ) -> Iterator[None]:
-    """Hook the reference for the duration of the block; hooks and modes are restored after."""
-    by_name = {(n or ROOT): m for n, m in model.named_modules()}
+    """Hook the reference for the duration of the block; hooks and modes are restored after.
+
+    A pre-hook pushes a frame for each selected module's call; its forward hook pops it, replays
+    the module with the children recorded there, and records its own output in its caller's
+    frame (the nearest selected module running), which holds it until that caller returns."""
+    by_name = replayer.ref_modules
     handles = []
     modes = {m: m.training for m in by_name.values()}
+    stack: list[Frame] = []
+
+    def make_pre(name: str) -> Any:
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            if not replayer.active:
+                stack.append(Frame(name, replayer.wants(name)))
+
+        return pre_hook
 
     def make(name: str) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if replayer.active:
                 return
+            frame = stack.pop() if stack and stack[-1].name == name else Frame(name, False)
+            before = versions(output)
             recorder.record(name, output)
-            replayer(name, module, args, kwargs, output)
+            replayer(name, module, args, kwargs, output, frame)
+            if stack and stack[-1].wanted:
+                caller = stack[-1]
+                if replayer.can_stand_in(name):
+                    valid = results[name].valid
+                    caller.records.append(Record(name, output, before, valid))
+                else:
+                    caller.inline.append(name)
 
         return hook
 
     try:
         model.train(train_mode)
         for name in results:
-            handles.append(by_name[name].register_forward_hook(make(name), with_kwargs=True))
+            module = by_name[name]
+            handles.append(module.register_forward_pre_hook(make_pre(name)))
+            handles.append(module.register_forward_hook(make(name), with_kwargs=True))
         yield
     finally:
         for handle in handles:

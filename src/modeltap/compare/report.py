@@ -1,8 +1,13 @@
 """What `compare` found, per module: local error (replay), cumulative error (diff), attribution.
 
-An **origin** is a module whose local error is out of tolerance while none of its selected
-descendants' is: the error arises in its own code. A module is **inherited** when its cumulative
-error is out of tolerance and its local error is within: it only passes on what it received.
+A module's local error is that of its own code: it is replayed with its selected children
+short-circuited to the reference's outputs (`SHORT_CIRCUIT`), or is a leaf (`LEAF`). An **origin**
+is a module whose local error is out of tolerance: the error arises in its own code. A module
+replayed in full (`FULL`: its children could not stand in, see its `replay_note`) measures its
+children's error too, so it is an origin only when no selected descendant's local error is out.
+A module that is not an origin but holds one is **via child**; a module whose cumulative error is
+out of tolerance with its local error within, and no origin inside, is **inherited**: it only
+passes on what it received.
 """
 
 from __future__ import annotations
@@ -14,7 +19,12 @@ from modeltap.capture import split_key
 from modeltap.diff import DiffReport, Pair
 from modeltap.selection import ROOT
 
-REPORT_SCHEMA = "modeltap.compare/1"
+REPORT_SCHEMA = "modeltap.compare/2"
+
+# How a module's replay ran (ModuleResult.replay).
+LEAF = "leaf"  # no selected child was called: replayed as it is
+SHORT_CIRCUIT = "short_circuit"  # its selected children returned the reference's outputs
+FULL = "full"  # its children were computed again (replay_note says why)
 
 # Module statuses: replayed, or why not.
 REPLAYED = "replayed"
@@ -43,6 +53,9 @@ class ModuleResult:
     valid: bool = True
     note: str = ""
     origin: bool = False
+    replay: str = ""  # LEAF, SHORT_CIRCUIT or FULL; "" when never replayed
+    replay_note: str = ""  # why FULL
+    holds_origin: bool = False  # a selected descendant is an origin
 
     @property
     def compared(self) -> bool:
@@ -73,7 +86,7 @@ class ModuleResult:
             return "replay_invalid"
         if self.origin:
             return "origin"
-        if self.local_out:
+        if self.holds_origin and (self.local_out or self.cumulative_out):
             return "via_child"  # out of tolerance because a descendant is
         if self.cumulative_out:
             return "inherited"
@@ -87,6 +100,7 @@ class ModuleResult:
             "verdict": self.verdict,
             "calls": self.calls,
             "valid": self.valid,
+            "replay": self.replay or None,
             "local_error": self.local_error,
             "cumulative_error": self.cumulative_error,
             "local": [p.to_json() for p in self.local],
@@ -94,6 +108,8 @@ class ModuleResult:
         }
         if self.note:
             out["note"] = self.note
+        if self.replay_note:
+            out["replay_note"] = self.replay_note
         return out
 
 
@@ -109,10 +125,16 @@ def _descends(name: str, ancestor: str) -> bool:
 
 
 def attribute(modules: list[ModuleResult]) -> None:
-    """Mark origins: local error out of tolerance, and no selected descendant's is."""
+    """Mark origins: local error (of the module's own code) out of tolerance; for a module
+    replayed in full, also no selected descendant's."""
     out = [m.name for m in modules if m.local_out]
     for module in modules:
-        module.origin = module.local_out and not any(_descends(o, module.name) for o in out)
+        module.origin = module.local_out and (
+            module.replay != FULL or not any(_descends(o, module.name) for o in out)
+        )
+    origins = [m.name for m in modules if m.origin]
+    for module in modules:
+        module.holds_origin = any(_descends(o, module.name) for o in origins)
 
 
 @dataclass
@@ -139,6 +161,11 @@ class CompareReport:
     @property
     def invalid(self) -> list[ModuleResult]:
         return [m for m in self.modules if m.status == REPLAYED and not m.valid]
+
+    @property
+    def full_replays(self) -> list[ModuleResult]:
+        """Modules replayed with their children computed again (their note says why)."""
+        return [m for m in self.modules if m.status == REPLAYED and m.replay == FULL]
 
     @property
     def not_compared(self) -> list[ModuleResult]:
@@ -178,9 +205,11 @@ class CompareReport:
             "inherited": [m.name for m in self.inherited],
             "replay_invalid": [m.name for m in self.invalid],
             "not_compared": {m.name: m.status for m in self.not_compared},
+            "full_replay": {m.name: m.replay_note for m in self.full_replays},
             "counts": {
                 "modules": len(self.modules),
                 "replayed": sum(m.status == REPLAYED for m in self.modules),
+                "full_replay": len(self.full_replays),
                 "origins": len(self.origins),
                 "inherited": len(self.inherited),
                 "replay_invalid": len(self.invalid),
