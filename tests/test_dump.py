@@ -392,7 +392,7 @@ def test_final_tensors_get_their_statistics_from_the_workers(tmp_path):
     assert list(got) == list(tensors)
     for key in ("big", "small", "flat"):
         x = tensors[key].double()
-        assert got[key].mean == pytest.approx(x.mean().item(), rel=1e-9, abs=1e-12), key
+        assert got[key].mean == pytest.approx(x.mean().item(), rel=1e-6, abs=1e-7), key
         assert got[key].std == pytest.approx(x.std().item(), rel=1e-6), key
         assert (got[key].min, got[key].max) == (x.min().item(), x.max().item()), key
     assert got["small"].dead == int((tensors["small"][mask.bool()].amax(0) <= 0).sum())

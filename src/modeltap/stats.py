@@ -422,9 +422,9 @@ def final_stats(
     square sum, min and per-unit max while it is in cache, blocks combined in float64 (Chan).
 
     For tensors nothing will change any more, read where they are (a finished compiled forward):
-    the same fields as `tensor_stats`, equal within rounding (the sums are added in another order,
-    in float64), not to the bit. Anything else (NaN/Inf, other dtypes, other devices) goes
-    through `tensor_stats`.
+    the same fields as `tensor_stats`, equal within float32 rounding (a block's sums are added in
+    its dtype, in another order: numpy's pairwise sum and the BLAS dot product), not to the bit.
+    Anything else (NaN/Inf, other dtypes, other devices) goes through `tensor_stats`.
     """
     import numpy as np
     import torch
@@ -446,15 +446,16 @@ def final_stats(
     nonzero = 0
     for start in range(0, rows, step):
         part = values[start : start + step]
-        count = part.size
-        mean = float(part.sum(dtype=np.float64)) / count
+        flat = part.ravel()  # a view: one pairwise sum over the whole block
+        count = flat.size
+        mean = float(flat.sum()) / count
         if not math.isfinite(mean):
             return tensor_stats(x, **options)  # NaN/Inf: moments of the finite values only
         into = buffer[: part.shape[0]]
         np.subtract(part, values.dtype.type(mean), out=into)
-        np.square(into, out=into)
-        moments.add(count, mean, float(into.sum(dtype=np.float64)))
-        lo = min(lo, float(part.min()))
+        centred = into.ravel()
+        moments.add(count, mean, float(np.dot(centred, centred)))
+        lo = min(lo, float(flat.min()))
         block_max = part.max(axis=0)
         hi = max(hi, float(block_max.max()))
         if keep is not None:
