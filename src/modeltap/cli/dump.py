@@ -261,10 +261,14 @@ def _print_backend(err: Any, meta: dict[str, str]) -> None:
     elif meta.get("backend") == "compile":
         err.print(f"torch.compile: {details.get('graphs')} graph(s) with gradient hooks")
     if details.get("output_record") is False:
+        if meta.get("backend") == "export":
+            what, fix = "program has modules without call signatures and", "keeps the signatures"
+        else:
+            what, fix = "trace has", "traces with one (-o NAME.pt)"
         err.print(
-            "note: no record of the modules' eager output structure in this archive: a traced "
-            "module returning (tensor, None) or a ModelOutput is keyed by its bare value; "
-            "`modeltap export MODEL ... -o NAME.pt` traces with one"
+            f"note: this {what} no record of the modules' eager output structure: a module "
+            "returning (tensor, None) or a ModelOutput is keyed by its bare value; "
+            f"`modeltap export` {fix}"
         )
     odd = details.get("structure_unmatched", []) + details.get("parts_not_in_graph", [])
     if odd:
