@@ -11,8 +11,11 @@ Figures and targets, on a bert-base-sized BertModel (BertConfig(), seed 0), batc
                                                                           <= 1.2
   cold compile time of each compiled model (first call), reported apart from run time.
   hooked_forward_ratio: the hooked compiled forward alone (no naming, no statistics) / plain.
+  copying_writer_ratio: the same dump with the writer copying each tensor first (as for an eager
+  dump, whose tensors the model may still change) / plain.
+  *_by_round: each ratio taken round by round (against the plain run just before), the median.
 Two model instances with the same weights are compiled (one hooked, one not) with dynamo's hook
-guards on, so neither reuses the other's code; the sides alternate and medians are reported.
+guards on, so neither reuses the other's code; the runs alternate and medians are reported.
 """
 
 from __future__ import annotations
@@ -55,6 +58,20 @@ def paired(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple
     return statistics.median(ta), statistics.median(tb)
 
 
+def interleaved(fs: list[Callable[[], object]], reps: int) -> list[list[float]]:
+    """Seconds of each f per round, run in turn (f0, f1, ..., f0, f1, ...) after one warm-up
+    each."""
+    for f in fs:
+        f()
+    times: list[list[float]] = [[] for _ in fs]
+    for _ in range(reps):
+        for f, out in zip(fs, times, strict=True):
+            start = time.perf_counter()
+            f()
+            out.append(time.perf_counter() - start)
+    return times
+
+
 def timed(f: Callable[[], object]) -> float:
     start = time.perf_counter()
     f()
@@ -64,7 +81,7 @@ def timed(f: Callable[[], object]) -> float:
 def compile_figures(model, batch, reps: int, backend: str, folder: Path) -> dict[str, float]:
     import torch
 
-    from modeltap.capture.compile import CompiledCapture, record_log
+    from modeltap.capture.compile import CompiledCapture, record_log, record_run
     from modeltap.capture.recorder import Recorder
     from modeltap.dump import DumpWriter
     from modeltap.selection import Selection, select_modules
@@ -85,6 +102,13 @@ def compile_figures(model, batch, reps: int, backend: str, folder: Path) -> dict
         def dump_stats_only() -> None:
             cap.run((), batch)
             with DumpWriter(folder / "c.safetensors", stats_only=True) as writer:
+                recorder = record_run(cap, writer)  # as `dump --compile --stats-only` does
+                writer.finish({"order": json.dumps(recorder.order)})
+
+        def dump_copying() -> None:
+            # the writer as an eager dump uses it: each tensor copied for the writer thread
+            cap.run((), batch)
+            with DumpWriter(folder / "c.safetensors", stats_only=True) as writer:
                 recorder = Recorder(writer)
                 record_log(recorder, cap.log, copied=cap.copy_outputs)
                 writer.finish({"order": json.dumps(recorder.order)})
@@ -92,15 +116,25 @@ def compile_figures(model, batch, reps: int, backend: str, folder: Path) -> dict
         def hooked_only() -> None:
             cap.run((), batch)
 
-        t_bare, t_dump = paired(bare, dump_stats_only, reps)
-        t_bare2, t_hooked = paired(bare, hooked_only, reps)
+        times = interleaved([bare, dump_stats_only, hooked_only, dump_copying], reps)
+        t_bare, t_dump, t_hooked, t_copying = (statistics.median(t) for t in times)
+        # the same ratios round by round (each against the plain run just before it), medians:
+        # less sensitive to a machine whose load changes between rounds
+        by_round = [
+            statistics.median(t / b for t, b in zip(times[i], times[0], strict=True))
+            for i in (1, 2, 3)
+        ]
         graphs = len(cap.graphs)
         inplace = cap.has_inplace()
     return {
         "compiled_forward_s": t_bare,
         "compiled_dump_stats_only_s": t_dump,
         "compile_ratio": t_dump / t_bare,
-        "hooked_forward_ratio": t_hooked / t_bare2,
+        "hooked_forward_ratio": t_hooked / t_bare,
+        "copying_writer_ratio": t_copying / t_bare,
+        "compile_ratio_by_round": by_round[0],
+        "hooked_forward_ratio_by_round": by_round[1],
+        "copying_writer_ratio_by_round": by_round[2],
         "graphs": graphs,
         "graph_mutates_logged_values": float(inplace),
         "cold_first_call_hooked_s": cold_hooked,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from typer.testing import CliRunner
 
 from modeltap.capture import capture
@@ -154,3 +155,36 @@ def test_minilm_compiled_keys_and_values(minilm_dir: Path) -> None:
     for key in want.keys():
         torch.testing.assert_close(got[key], want[key], **tol, msg=key)
     assert info.graphs == 1
+
+
+def test_compiled_stats_only_dump_equals_torch_statistics_of_the_compiled_values(
+    bert_dir: Path,
+) -> None:
+    texts = ["hello world", "a second, longer sentence about the model"]  # padded: a row mask
+    common = [str(bert_dir), *texts, "--compile", "--compile-backend", "aot_eager"]
+    _dump([*common, "-o", "values.safetensors"])
+    _dump([*common, "--stats-only", "-o", "stats.safetensors"])
+    values, _ = read_dump("values.safetensors")
+    with safe_open("stats.safetensors", "pt") as f:
+        meta = f.metadata()
+        assert list(f.keys()) == []
+    stats = json.loads(meta["stats"])
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(bert_dir)
+    mask = tok(texts, padding=True, return_tensors="pt")["attention_mask"]
+    assert not mask.all()
+    aliases = json.loads(meta["aliases"])
+    assert set(stats) | set(aliases) == set(values) and len(values) == 46
+    assert json.loads(meta["backend_details"])["graphs"] == 1
+    for key, got in stats.items():
+        x = values[key].double()
+        assert got["numel"] == x.numel() and got["shape"] == list(x.shape)
+        torch.testing.assert_close(got["mean"], x.mean().item(), rtol=1e-6, atol=1e-7, msg=key)
+        torch.testing.assert_close(got["std"], x.std().item(), rtol=1e-6, atol=1e-7, msg=key)
+        torch.testing.assert_close(got["norm"], x.norm().item(), rtol=1e-6, atol=0, msg=key)
+        assert (got["min"], got["max"]) == (x.min().item(), x.max().item()), key
+        if x.dim() >= 2:
+            rows = x[mask.bool()] if x.dim() >= 3 and x.shape[:2] == mask.shape else x
+            alive = rows.reshape(-1, x.shape[-1]).amax(0)
+            assert got["dead"] == int((alive <= 0).sum()), key

@@ -13,6 +13,7 @@ from modeltap.dump import DumpWriter, load_dump
 from modeltap.errors import DumpFormatError, InputError
 from modeltap.loading import Inputs
 from modeltap.run import dump_model
+from modeltap.stats import tensor_stats
 from tests.fixtures.models import InPlace, ReuseLinear, Wrapped
 
 
@@ -372,3 +373,28 @@ def test_cuda_tensor_bigger_than_the_buffer_is_written_inline(tmp_path):
         writer.tensor("x", x)
         path = writer.finish({})
     assert torch.equal(load_file(path)["x"], x.cpu())
+
+
+def test_final_tensors_get_their_statistics_from_the_workers(tmp_path):
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    tensors = {
+        "big": torch.randn(2, 3, 300_000),  # the size that goes to the writer thread otherwise
+        "small": torch.relu(torch.randn(2, 3, 8)),
+        "nan": torch.tensor([[1.0, float("nan")], [float("inf"), -2.0]]),
+        "flat": torch.randn(10) + 3.0,
+    }
+    with DumpWriter(tmp_path / "f.safetensors", stats_only=True, row_mask=mask) as writer:
+        for key, value in tensors.items():
+            writer.tensor(key, value, final=True)
+        writer.finish({})
+    got = load_dump(tmp_path / "f.safetensors").stats
+    assert list(got) == list(tensors)
+    for key in ("big", "small", "flat"):
+        x = tensors[key].double()
+        assert got[key].mean == pytest.approx(x.mean().item(), rel=1e-6, abs=1e-7), key
+        assert got[key].std == pytest.approx(x.std().item(), rel=1e-6), key
+        assert (got[key].min, got[key].max) == (x.min().item(), x.max().item()), key
+    assert got["small"].dead == int((tensors["small"][mask.bool()].amax(0) <= 0).sum())
+    assert got["nan"] == tensor_stats(tensors["nan"])  # NaN/Inf: the finite values' moments
+    assert (got["nan"].nan, got["nan"].inf, got["nan"].mean) == (1, 1, -0.5)

@@ -213,3 +213,40 @@ def test_archive_without_preserved_signatures_maps_modules_from_their_scopes(
     want = capture(model, x)
     _assert_exact(sink, done, want)
     assert done.details["inferred_from_scopes"] == 11  # all modules but the root and `blocks`
+
+
+def test_bert_program_without_signatures_maps_structured_outputs_with_the_eager_record(
+    bert_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModel
+
+    from modeltap.capture.structure import record_outputs
+
+    model = AutoModel.from_pretrained(bert_dir).eval()
+    ids = torch.tensor([[2, 10, 20, 30, 3], [2, 11, 12, 3, 0]])
+    kwargs = {"input_ids": ids, "attention_mask": (ids > 0).long()}
+    program = torch.export.export(model, (), kwargs, strict=False)  # made elsewhere
+    torch.export.save(program, tmp_path / "plain.pt2")
+    want = capture(model, **kwargs)
+    # the graph alone: a (tensor, None) tuple or a ModelOutput is a bare value
+    sink, done = _run(tmp_path / "plain.pt2", (), kwargs)
+    assert done.details["output_record"] is False
+    assert "encoder" in done.recorder.order and "encoder:last_hidden_state" in want.keys()
+    assert len(set(done.recorder.order) & set(want.keys())) == 41
+    # with the eager model's record, every key and value of the eager dump
+    program = load_pt2(tmp_path / "plain.pt2")
+    tree = skeleton(module_names(program))
+    sink = MemorySink()
+    done = ExportBackend(program, outputs=record_outputs(model, (), kwargs)).run(
+        tree,
+        [n or "__root__" for n, _ in tree.named_modules()],
+        sink,
+        (),
+        kwargs,
+        inputs=False,
+        train_mode=False,
+        seed=0,
+    )
+    assert len(want.keys()) == 46
+    _assert_exact(sink, done, want)
+    assert done.details["output_record"] is True and "structure_unmatched" not in done.details

@@ -179,3 +179,43 @@ def test_batch_of_small_tensors_is_exact_and_the_same_one_by_one():
             assert s.dead == ref["dead"]
         assert s.zeros == int((x == 0).sum())
     assert together[2].dead > 0 and together[6].nan == 1 and together[6].inf == 1
+
+
+@pytest.mark.parametrize(
+    "shape", [(4, 7, 33), (3, 70_000), (2, 100_000), (50,), (), (1, 1, 1)], ids=str
+)
+def test_final_stats_in_one_pass_match_a_float64_reference(shape):
+    from modeltap.stats import final_stats
+
+    torch.manual_seed(0)
+    x = torch.randn(shape) * 3.0 + 1000.0  # a large mean: the centring must hold
+    if x.dim() >= 2:
+        x[..., 0] = -1.0  # one dead unit
+    got = final_stats(x, count_zeros=True)
+    ref = x.double()
+    # within float32 rounding (the eager path's own error is of the same order)
+    assert got.mean == pytest.approx(ref.mean().item(), rel=1e-7)
+    if x.numel() > 1:
+        assert got.std == pytest.approx(ref.std().item(), rel=1e-6)
+    assert got.norm == pytest.approx(ref.norm().item(), rel=1e-7)
+    assert (got.min, got.max) == (ref.min().item(), ref.max().item())
+    assert (got.nan, got.inf, got.zeros, got.numel) == (0, 0, 0, x.numel())
+    if x.dim() >= 2:
+        assert (got.units, got.dead) == (x.shape[-1], 1)
+    else:
+        assert got.units is None
+
+
+def test_final_stats_left_out_rows_and_what_goes_the_other_way():
+    from modeltap.stats import final_stats
+
+    torch.manual_seed(1)
+    x = torch.randn(2, 40_000, 4)  # blocks of 16384 rows: the second row's kept rows cross them
+    x[:, :, 1] = -1.0
+    x[1, 30_000:, 1] = 5.0  # alive only in padding
+    mask = torch.ones(2, 40_000, dtype=torch.long)
+    mask[1, 30_000:] = 0
+    got = final_stats(x, row_mask=mask)
+    assert got.dead == 1 and got.max == 5.0
+    for other in (x.bfloat16(), torch.tensor([1.0, math.nan, math.inf]), torch.arange(6)):
+        assert final_stats(other) == tensor_stats(other)

@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 from typer.testing import CliRunner
 
-from modeltap.capture import MemorySink, capture
-from modeltap.capture.torchscript import TorchScriptBackend
+from modeltap.capture import capture
+from modeltap.capture.torchscript import save_traced
 from modeltap.cli import app
 from tests.fixtures.backends import nested, read_dump
 
 runner = CliRunner()
-
-
-def _ts_capture(script: torch.jit.ScriptModule, *args: torch.Tensor):
-    names = [n or "__root__" for n, _ in script.named_modules()]
-    sink = MemorySink()
-    done = TorchScriptBackend(script, "x.pt").run(
-        script, names, sink, args, {}, inputs=False, train_mode=False, seed=0
-    )
-    return {k: sink.tensors[done.recorder.aliases.get(k, k)] for k in done.recorder.order}, done
 
 
 def test_traced_and_scripted_archives_dump_the_eager_keys_exactly(tmp_path: Path) -> None:
@@ -33,11 +26,10 @@ def test_traced_and_scripted_archives_dump_the_eager_keys_exactly(tmp_path: Path
     # the very tensor the CLI reads: a copy at another address may take another kernel path
     want = capture(model, load_file(tmp_path / "x.safetensors")["x"])
     eager = {k: want[k] for k in want.keys()}
-    for name, script in (
-        ("traced.pt", torch.jit.trace(model, (x,))),
-        ("scripted.pt", torch.jit.script(model)),
-    ):
-        torch.jit.save(script, tmp_path / name)
+    torch.jit.save(torch.jit.trace(model, (x,)), tmp_path / "traced.pt")
+    torch.jit.save(torch.jit.script(model), tmp_path / "scripted.pt")
+    save_traced(model, (x,), {}, tmp_path / "recorded.pt")
+    for name in ("traced.pt", "scripted.pt", "recorded.pt"):
         out = f"{name}.safetensors"
         r = runner.invoke(
             app,
@@ -55,26 +47,116 @@ def test_traced_and_scripted_archives_dump_the_eager_keys_exactly(tmp_path: Path
         assert r.exit_code == 0 and "Block" in r.output and "LayerNorm" in r.output
 
 
-def test_traced_bert_matches_eager_except_structured_outputs(bert_dir: Path) -> None:
+def _eager_and_traced(model_dir: Path, texts: list[str], traced: str) -> tuple[dict, dict, dict]:
+    """Eager dump of the model and dump of the archive, through the CLI, read with safetensors."""
+    r = runner.invoke(app, ["dump", str(model_dir), *texts, "-o", "eager.safetensors"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(
+        app, ["dump", traced, *texts, "--tokenizer", str(model_dir), "-o", "traced.safetensors"]
+    )
+    assert r.exit_code == 0, r.output
+    eager, _ = read_dump("eager.safetensors")
+    got, meta = read_dump("traced.safetensors")
+    return eager, got, meta
+
+
+def _assert_same(eager: dict, got: dict) -> None:
+    assert set(got) == set(eager)
+    for key, value in eager.items():
+        torch.testing.assert_close(got[key], value, atol=0, rtol=0, msg=key)
+
+
+def test_traced_bert_from_export_dumps_the_eager_keys_exactly(bert_dir: Path) -> None:
+    texts = ["hello world", "a second sentence about the model"]
+    r = runner.invoke(app, ["export", str(bert_dir), *texts, "-o", "m.pt"])
+    assert r.exit_code == 0, r.output
+    assert "TorchScript trace" in r.output
+    eager, got, meta = _eager_and_traced(bert_dir, texts, "m.pt")
+    # (tensor, None) tuples and the encoder's ModelOutput keep their `:part`s
+    assert {"encoder:last_hidden_state", "encoder.layer.0.attention.self:0"} <= set(got)
+    assert len(eager) == 46
+    _assert_same(eager, got)
+    details = json.loads(meta["backend_details"])
+    assert meta["backend"] == "torchscript" and details["output_record"] is True
+    assert "structure_unmatched" not in details and "parts_not_in_graph" not in details
+
+
+def test_bert_traced_elsewhere_says_its_keys_follow_the_graph(bert_dir: Path) -> None:
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(bert_dir).eval()
     ids = torch.tensor([[2, 10, 20, 30, 3], [2, 11, 12, 3, 0]])
     mask = (ids > 0).long()
-    script = torch.jit.trace(model, (ids, mask), strict=False)
-    got, _ = _ts_capture(script, ids, mask)
+    torch.jit.save(torch.jit.trace(model, (ids, mask), strict=False), "plain.pt")
+    save_file({"input_ids": ids, "attention_mask": mask}, "ids.safetensors")
+    r = runner.invoke(
+        app, ["dump", "plain.pt", "--input-file", "ids.safetensors", "-o", "p.safetensors"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "no record of the modules' eager output structure" in " ".join(r.output.split())
+    got, meta = read_dump("p.safetensors")
+    assert json.loads(meta["backend_details"])["output_record"] is False
     want = capture(model, input_ids=ids, attention_mask=mask)
     for key in set(got) & set(want.keys()):
         torch.testing.assert_close(got[key], want[key], atol=0, rtol=0, msg=key)
-    # a module returning (tensor, None) or a ModelOutput is traced to a bare tensor
-    assert set(want.keys()) - set(got) == {
-        "encoder:last_hidden_state",
-        "encoder.layer.0.attention:0",
-        "encoder.layer.0.attention.self:0",
-        "encoder.layer.1.attention:0",
-        "encoder.layer.1.attention.self:0",
-    }
-    assert len(set(got) & set(want.keys())) == 41
+    # without the record a (tensor, None) tuple or a ModelOutput is keyed by its bare value
+    assert "encoder" in got and "encoder:last_hidden_state" not in got
+
+
+def test_traced_gpt2_without_cache_dumps_the_eager_keys_exactly(gpt2_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gpt2_dir, use_cache=False).eval()
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    save_file({"input_ids": ids}, "ids.safetensors")
+    ids = load_file("ids.safetensors")["input_ids"]
+    save_traced(model, (), {"input_ids": ids}, "g.pt")
+    want = capture(model, input_ids=ids)
+    r = runner.invoke(app, ["dump", "g.pt", "--input-file", "ids.safetensors", "-o", "g.st"])
+    assert r.exit_code == 0, r.output
+    got, _ = read_dump("g.st")
+    assert len(want.keys()) == 31  # GPT2LMHeadModel: the body, lm_head and the root
+    _assert_same({k: want[k] for k in want.keys()}, got)
+
+
+class _Pair(nn.Module):
+    """Returns its values in another order than it computes them, with a None between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        a = self.lin(x)
+        b = a * 2.0
+        return b, None, a
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair = _Pair()
+
+    def forward(self, x: torch.Tensor) -> dict:
+        b, _, a = self.pair(x)
+        return {"sum": a + b, "first": b}
+
+
+def test_tuple_values_map_by_the_order_they_were_computed_in() -> None:
+    torch.manual_seed(0)
+    model = _Outer().eval()
+    x = torch.randn(3, 4)
+    save_file({"x": x}, "x.safetensors")
+    x = load_file("x.safetensors")["x"]
+    save_traced(model, (x,), {}, "pair.pt")
+    r = runner.invoke(app, ["dump", "pair.pt", "--input-file", "x.safetensors", "-o", "p.st"])
+    assert r.exit_code == 0, r.output
+    got, _ = read_dump("p.st")
+    a = torch.nn.functional.linear(x, model.pair.lin.weight, model.pair.lin.bias)
+    assert set(got) == {"pair.lin", "pair:0", "pair:2", "__root__:sum", "__root__:first"}
+    torch.testing.assert_close(got["pair:0"], a * 2.0, atol=0, rtol=0)  # b, computed second
+    torch.testing.assert_close(got["pair:2"], a, atol=0, rtol=0)
+    torch.testing.assert_close(got["__root__:sum"], a + a * 2.0, atol=0, rtol=0)
 
 
 def test_frozen_archive_without_hierarchy_is_a_one_line_error(tmp_path: Path) -> None:
@@ -93,17 +175,10 @@ def test_frozen_archive_without_hierarchy_is_a_one_line_error(tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_traced_minilm_values_equal_eager(minilm_dir: Path) -> None:
-    from transformers import AutoModel, AutoTokenizer
-
-    model = AutoModel.from_pretrained(minilm_dir).eval()
-    tok = AutoTokenizer.from_pretrained(minilm_dir)
-    batch = tok(["hello world", "a second sentence"], return_tensors="pt", padding=True)
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    got, done = _ts_capture(torch.jit.trace(model, (ids, mask), strict=False), ids, mask)
-    want = capture(model, input_ids=ids, attention_mask=mask)
-    common = set(got) & set(want.keys())
-    for key in common:
-        torch.testing.assert_close(got[key], want[key], atol=0, rtol=0, msg=key)
-    # the 6 layers' attention and self-attention tuples and the encoder's ModelOutput are bare
-    assert len(set(want.keys()) - set(got)) == 13 and len(common) == 101
+def test_traced_minilm_dumps_the_eager_keys_exactly(minilm_dir: Path) -> None:
+    texts = ["hello world", "a second sentence"]
+    r = runner.invoke(app, ["export", str(minilm_dir), *texts, "-o", "m.pt"])
+    assert r.exit_code == 0, r.output
+    eager, got, _ = _eager_and_traced(minilm_dir, texts, "m.pt")
+    assert len(eager) == 114
+    _assert_same(eager, got)

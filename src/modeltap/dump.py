@@ -21,12 +21,20 @@ import struct
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modeltap.errors import DumpFormatError, InputError, first_line
-from modeltap.stats import TensorStats, batch_stats, begin_stats, dtype_name, tensor_stats
+from modeltap.stats import (
+    TensorStats,
+    batch_stats,
+    begin_stats,
+    dtype_name,
+    final_stats,
+    tensor_stats,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -103,6 +111,8 @@ DEFAULT_MAX_INFLIGHT = 32 << 20
 # CPU tensors smaller than this are done in the caller: handing them to the thread costs more
 # (a copy, and the thread's Python competing for the GIL) than it saves.
 _THREAD_MIN_BYTES = 1 << 20
+# Workers computing the statistics of `final` tensors (numpy's passes run on one core each).
+_FINAL_WORKERS = 2
 # Small tensors' bytes are gathered up to this much before one write.
 _STAGE_BYTES = 1 << 20
 
@@ -233,6 +243,9 @@ class DumpWriter:
         self._staged_at = 0
         self._deferred: list[tuple[str, torch.Tensor, dict[str, Any], int | None]] = []
         self._deferred_bytes = 0
+        # statistics of `final` tensors, computed by a few workers straight from the tensors
+        self._final_pool: ThreadPoolExecutor | None = None
+        self._final: dict[str, Future[TensorStats]] = {}
 
     def __enter__(self) -> DumpWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -245,7 +258,9 @@ class DumpWriter:
         if exc_type is not None:
             self.abort()
 
-    def tensor(self, key: str, tensor: torch.Tensor, *, count_zeros: bool = False) -> None:
+    def tensor(
+        self, key: str, tensor: torch.Tensor, *, count_zeros: bool = False, final: bool = False
+    ) -> None:
         """Take `tensor`'s statistics and bytes as they are now (the model may change it in place
         as soon as this returns).
 
@@ -253,6 +268,11 @@ class DumpWriter:
         tensor) is copied into a reused buffer of at most `max_inflight` bytes (pinned for CUDA)
         and left to the writer thread; when the buffer is full this waits (back-pressure). One
         bigger than the whole buffer is done here too.
+
+        `final`: nothing changes the tensor any more (it comes from a finished forward, as the
+        compile backend's do): a stats-only dump then reads it where it is, with no copy, in one
+        pass (`stats.final_stats`, equal to the other path's numbers within rounding), on a few
+        worker threads.
         """
         dtype = dtype_name(tensor.dtype)
         code = None if self.stats_only else _DTYPES.get(dtype)
@@ -264,6 +284,22 @@ class DumpWriter:
             "row_mask": self._stats_mask,
             "count_zeros": count_zeros,
         }
+        if final and self.stats_only and x.device.type == "cpu":
+            with self._lock:
+                self._stats_order.append(key)
+                if self._final_pool is None:
+                    import torch
+
+                    # a tensor final_stats sends back to tensor_stats adds up in the caller's
+                    # order (its thread count), as the writer thread does
+                    self._final_pool = ThreadPoolExecutor(
+                        _FINAL_WORKERS,
+                        "modeltap-stats",
+                        torch.set_num_threads,
+                        (torch.get_num_threads(),),
+                    )
+                self._final[key] = self._final_pool.submit(final_stats, x, **options)
+            return
         with self._lock:
             nbytes = x.numel() * x.element_size()
             size = 0 if code is None else nbytes
@@ -344,6 +380,12 @@ class DumpWriter:
                 self._run_deferred()
             if self._file is not None:
                 self._write_staged()
+            if self._final_pool is not None:
+                for key, future in self._final.items():
+                    self.stats[key] = future.result()
+                self._final.clear()
+                self._final_pool.shutdown()
+                self._final_pool = None
         except BaseException:
             self.abort()
             raise
@@ -396,6 +438,9 @@ class DumpWriter:
             moved.unlink(missing_ok=True)
 
     def abort(self) -> None:
+        if self._final_pool is not None:
+            self._final_pool.shutdown(wait=False, cancel_futures=True)
+            self._final_pool = None
         if self._file is not None and not self._file.closed:
             self._file.close()
         self._tmp.unlink(missing_ok=True)

@@ -534,3 +534,77 @@ def _rows_to_keep(x: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tenso
     mask = row_mask.to(device=x.device, dtype=bool)
     middle = x.shape[2:-1]
     return mask.reshape(*mask.shape, *([1] * len(middle))).expand(*x.shape[:-1]).reshape(-1)
+
+
+def final_stats(
+    tensor: torch.Tensor,
+    *,
+    dead_threshold: float = 0.0,
+    row_mask: torch.Tensor | None = None,
+    count_zeros: bool = False,
+) -> TensorStats:
+    """`tensor_stats` in one read of a CPU float tensor: block by block, each block's sum, centred
+    square sum, min and per-unit max while it is in cache, blocks combined in float64 (Chan).
+
+    For tensors nothing will change any more, read where they are (a finished compiled forward):
+    the same fields as `tensor_stats`, equal within float32 rounding (a block's sums are added in
+    its dtype, in another order: numpy's pairwise sum and the BLAS dot product), not to the bit.
+    Anything else (NaN/Inf, other dtypes, other devices) goes through `tensor_stats`.
+    """
+    import numpy as np
+    import torch
+
+    x = tensor.detach()
+    options = {"dead_threshold": dead_threshold, "row_mask": row_mask, "count_zeros": count_zeros}
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or not x.numel():
+        return tensor_stats(x, **options)
+    units = x.shape[-1] if x.dim() >= 2 else 1
+    values = x.reshape(-1, units).numpy()
+    keep_rows = _rows_to_keep(x, row_mask)
+    keep = None if keep_rows is None else keep_rows.numpy()
+    rows = values.shape[0]
+    step = max(1, _BLOCK // units)
+    buffer = np.empty((min(step, rows), units), dtype=values.dtype)
+    moments = _Moments()
+    lo, hi = math.inf, -math.inf
+    unit_max: Any = None
+    nonzero = 0
+    for start in range(0, rows, step):
+        part = values[start : start + step]
+        flat = part.ravel()  # a view: one pairwise sum over the whole block
+        count = flat.size
+        mean = float(flat.sum()) / count
+        if not math.isfinite(mean):
+            return tensor_stats(x, **options)  # NaN/Inf: moments of the finite values only
+        into = buffer[: part.shape[0]]
+        np.subtract(part, values.dtype.type(mean), out=into)
+        centred = into.ravel()
+        moments.add(count, mean, float(np.dot(centred, centred)))
+        lo = min(lo, float(flat.min()))
+        block_max = part.max(axis=0)
+        hi = max(hi, float(block_max.max()))
+        if keep is not None:
+            kept = part[keep[start : start + step]]
+            block_max = kept.max(axis=0) if kept.shape[0] else None
+        if block_max is not None:
+            unit_max = block_max if unit_max is None else np.maximum(unit_max, block_max)
+        if count_zeros:
+            nonzero += int(np.count_nonzero(part))
+    if not math.isfinite(moments.m2):  # a square overflowed the dtype
+        return tensor_stats(x, **options)
+    result: dict[str, Any] = {
+        "shape": list(x.shape),
+        "dtype": dtype_name(x.dtype),
+        "numel": x.numel(),
+        "nan": 0,
+        "inf": 0,
+    }
+    _moments_into(result, moments, lo, hi)
+    if count_zeros:
+        result["zeros"] = x.numel() - nonzero
+    if x.dim() >= 2:
+        dead = units
+        if unit_max is not None:
+            dead = int(np.count_nonzero(unit_max <= unit_max.dtype.type(dead_threshold)))
+        result.update(units=units, dead=dead)
+    return TensorStats(**result)

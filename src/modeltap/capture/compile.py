@@ -224,6 +224,34 @@ class CompiledCapture:
         return hook
 
 
+class _Finished:
+    """A sink in front of another, for tensors logged by a finished forward: a DumpWriter takes
+    them as `final` (read where they are, not copied first)."""
+
+    def __init__(self, sink: Sink) -> None:
+        from modeltap.dump import DumpWriter
+
+        self.sink = sink
+        self.writer = sink if isinstance(sink, DumpWriter) else None
+
+    def tensor(self, key: str, tensor: Any) -> None:
+        if self.writer is not None:
+            self.writer.tensor(key, tensor, final=True)
+        else:
+            self.sink.tensor(key, tensor)
+
+    def alias(self, key: str, target: str) -> None:
+        self.sink.alias(key, target)
+
+
+def record_run(cap: CompiledCapture, sink: Sink) -> Recorder:
+    """Name what the last run of `cap` logged into `sink`. The forward is over, so nothing
+    changes those tensors any more: a DumpWriter reads them where they are, without copies."""
+    recorder = Recorder(_Finished(sink))
+    record_log(recorder, cap.log, copied=cap.copy_outputs)
+    return recorder
+
+
 def _copy(value: Any) -> Any:
     import torch
     from torch.utils import _pytree
@@ -380,9 +408,7 @@ def compiled_run(
             info.copied_outputs = copy
             fired = {name for name, _, _ in cap.log}
             info.unmapped = [m for m in modules if m not in fired]
-            recorder = Recorder(sink)
-            record_log(recorder, cap.log, copied=copy)
-            return recorder, info, output
+            return record_run(cap, sink), info, output
 
 
 def compile_capture(

@@ -10,9 +10,11 @@ argument names when a submodule's keyword matches a model input, e.g. `attention
 
 A program exported without preserved signatures (made elsewhere) still has each node's
 `nn_module_stack`: a module's output is then the value computed inside it that is used outside
-it. A module with several such values gets `:0`, `:1`... in graph order (its real structure is
-unknown; `backend_details` lists it under `several_values_as_parts`), and a module returning
-`(tensor, None)` or a ModelOutput shows as a bare tensor.
+it. The graph keeps no output structure: given the eager model's record (`structure.py`,
+`outputs=`), the values are mapped onto the eager paths; without one, a module with several
+values gets `:0`, `:1`... in graph order (`backend_details` lists it under
+`several_values_as_parts`), and a module returning `(tensor, None)` or a ModelOutput shows as a
+bare tensor (`output_record: false`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from modeltap.capture.backend import BackendRun
 from modeltap.capture.recorder import Recorder, Sink
+from modeltap.capture.structure import OutputStructure
 from modeltap.errors import InputError, RunError, first_line
 from modeltap.selection import ROOT
 
@@ -293,6 +296,8 @@ class ExportBackend:
     program: Any
     source: str = ""
     name: str = "export"
+    # structure.record_outputs' record of the eager model, for modules without a signature
+    outputs: dict | None = None
 
     def run(
         self,
@@ -358,12 +363,13 @@ class ExportBackend:
         ]
         recorder = Recorder(sink)
         several: list[str] = []
+        structure = OutputStructure.of(self.outputs)
         for _, _, call in sorted(events, key=lambda e: (e[0], e[1])):
             if not isinstance(call, _Call):  # an inferred call: the values leaving its scope
                 got = [values[n.name] for n in call.escaping]
-                if len(got) > 1:
+                if len(got) > 1 and self.outputs is None:
                     several.append(call.module)
-                recorder.record(call.module, got[0] if len(got) == 1 else tuple(got))
+                recorder.record(call.module, structure.module_value(call.module, got))
                 continue
             if inputs and call.inputs is not None and call.in_spec is not None:
                 leaves = [_argument_value(a, values) for a in call.inputs]
@@ -385,6 +391,11 @@ class ExportBackend:
         if unsigned:
             details["modules_without_signature"] = len(unsigned)
             details["inferred_from_scopes"] = len({c.module for c in inferred})
+            details["output_record"] = self.outputs is not None
+        if structure.unmatched:
+            details["structure_unmatched"] = structure.unmatched
+        if structure.missing:
+            details["parts_not_in_graph"] = structure.missing
         if several:
             details["several_values_as_parts"] = several
         return BackendRun(recorder, details, [m for m in modules if m not in called], output)

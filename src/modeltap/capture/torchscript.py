@@ -8,10 +8,17 @@ nodes inside that module, and its output is the values the run computes that are
 them later), a function is built from the graph and run once, and the values are named through the
 `Recorder` with the eager dotted names. Modules whose nodes sit only inside control flow (a
 scripted `if`/loop) can't be read this way and are listed as unmapped.
+
+A traced graph keeps no output structure (a module returning `(tensor, None)` or a ModelOutput
+leaves a bare value): `save_traced` keeps the eager structure's record (`structure.py`) in the
+archive, and the dump maps the graph's values onto it. An archive traced elsewhere has none: its
+values keep the graph's shape (a bare key for one value) and `backend_details` says
+`output_record: false`. A scripted module's tuples and dicts are real values of its graph.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -19,10 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 from modeltap.capture.backend import BackendRun
 from modeltap.capture.recorder import Recorder, Sink
+from modeltap.capture.structure import STRUCTURE_FILE, OutputStructure, record_outputs
 from modeltap.errors import InputError, RunError, first_line
 from modeltap.selection import ROOT
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from torch import nn
 
 _SEGMENT = re.compile(r"([^.()]+)\(([^()]*)\)")
@@ -146,6 +156,47 @@ def _mutated_later(value: Any) -> bool:
     return False
 
 
+def save_traced(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], path: str | Path
+) -> list[str]:
+    """torch.jit.trace the model (eval mode, strict=False) and save it with the record of its
+    modules' eager output structure, so that a dump of the archive gets the eager keys. Returns
+    the tracer's warnings (Python values it took as constants), one per place."""
+    import inspect
+    import warnings
+
+    import torch
+
+    was_training = model.training
+    model.eval()
+    try:
+        record = record_outputs(model, args, kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", torch.jit.TracerWarning)
+            if kwargs:  # torch.jit.trace takes positional or keyword inputs, not both
+                bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+                script = torch.jit.trace(
+                    model,
+                    example_kwarg_inputs=dict(bound.arguments),
+                    strict=False,
+                    check_trace=False,
+                )
+            else:
+                script = torch.jit.trace(model, args, strict=False, check_trace=False)
+    finally:
+        model.train(was_training)
+    torch.jit.save(script, str(path), _extra_files={STRUCTURE_FILE: json.dumps(record)})
+    tracer = [
+        f"{w.filename}:{w.lineno}: {w.message}"
+        for w in caught
+        if issubclass(w.category, torch.jit.TracerWarning)
+    ]
+    for w in caught:  # anything else is shown as usual
+        if not issubclass(w.category, torch.jit.TracerWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return list(dict.fromkeys(tracer))
+
+
 @dataclass
 class TorchScriptBackend:
     """Dump a ScriptModule (traced or scripted, loaded from torch.jit.save) under eager keys."""
@@ -153,6 +204,8 @@ class TorchScriptBackend:
     script: Any
     source: str = ""
     name: str = "torchscript"
+    # record_outputs' record (saved in the archive by save_traced), or None
+    outputs: dict | None = None
 
     def run(
         self,
@@ -220,13 +273,23 @@ class TorchScriptBackend:
         results = results if isinstance(results, tuple) else (results,)
         output = results[0] if len(originals) == 1 else results[: len(originals)]
         recorder = Recorder(sink)
+        structure = OutputStructure.of(self.outputs)
         for call, positions in zip(calls, slots, strict=True):
             values = [results[p] for p in positions]
-            recorder.record(call.module, values[0] if len(values) == 1 else tuple(values))
+            recorder.record(call.module, structure.module_value(call.module, values))
         if ROOT in selected:
-            recorder.record(ROOT, output)
+            recorder.record(ROOT, structure.root_value(output))
         called = {c.module for c in calls} | {ROOT}
-        details = {"source": self.source, "run_s": seconds, "nodes_without_module": unknown}
+        details: dict[str, Any] = {
+            "source": self.source,
+            "run_s": seconds,
+            "nodes_without_module": unknown,
+            "output_record": self.outputs is not None,
+        }
+        if structure.unmatched:
+            details["structure_unmatched"] = structure.unmatched
+        if structure.missing:
+            details["parts_not_in_graph"] = structure.missing
         return BackendRun(recorder, details, [m for m in modules if m not in called], output)
 
 

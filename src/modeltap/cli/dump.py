@@ -260,6 +260,22 @@ def _print_backend(err: Any, meta: dict[str, str]) -> None:
         )
     elif meta.get("backend") == "compile":
         err.print(f"torch.compile: {details.get('graphs')} graph(s) with gradient hooks")
+    if details.get("output_record") is False:
+        if meta.get("backend") == "export":
+            what, fix = "program has modules without call signatures and", "keeps the signatures"
+        else:
+            what, fix = "trace has", "traces with one (-o NAME.pt)"
+        err.print(
+            f"note: this {what} no record of the modules' eager output structure: a module "
+            "returning (tensor, None) or a ModelOutput is keyed by its bare value; "
+            f"`modeltap export` {fix}"
+        )
+    odd = details.get("structure_unmatched", []) + details.get("parts_not_in_graph", [])
+    if odd:
+        err.print(
+            f"note: {len(odd)} value(s) not mapped onto the eager structure (see "
+            "backend_details): " + ", ".join(odd[:4]) + (" ..." if len(odd) > 4 else "")
+        )
     unmapped = json.loads(meta.get("unmapped") or "[]")
     if unmapped:
         shown = ", ".join(unmapped[:4]) + (
@@ -374,10 +390,12 @@ def _load_transformed(s: Settings, allow_pickle: bool = False) -> tuple[Any, Any
             model_class = f"ExportedProgram({_root_class(program)})"
         else:
             from modeltap.capture.torchscript import TorchScriptBackend, script_skeleton
-            from modeltap.loading.archive import load_torchscript
+            from modeltap.loading.archive import load_torchscript, torchscript_outputs
 
             script = load_torchscript(path)
-            backend = TorchScriptBackend(script, source=path.name)
+            backend = TorchScriptBackend(
+                script, source=path.name, outputs=torchscript_outputs(path)
+            )
             model = script_skeleton(script)
             model_class = f"TorchScript({script.original_name})"
         source = ModelSource(model_name, path.parent)

@@ -1,4 +1,5 @@
-"""`modeltap export`: a torch.export `.pt2` that keeps every module's call signature."""
+"""`modeltap export`: a torch.export `.pt2` that keeps every module's call signature, or a
+TorchScript trace (`.pt`) that keeps the record of every module's output structure."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from modeltap.cli.options import (
     TokenizerOpt,
     TrustOpt,
 )
-from modeltap.errors import InputError
+from modeltap.errors import InputError, first_line
 
 
 @app.command("export")
@@ -34,7 +35,8 @@ def export(
         typer.Option(
             "--out",
             "-o",
-            help="Archive [default: <model name>.pt2].",
+            help="Archive: .pt2 (torch.export) or .pt (a TorchScript trace) "
+            "[default: <model name>.pt2].",
             metavar="FILE",
             rich_help_panel=OUTPUT,
         ),
@@ -53,7 +55,8 @@ def export(
     trust_remote_code: TrustOpt = None,
     config: ConfigOpt = None,
 ) -> None:
-    """Export a model with torch.export to a .pt2 that `modeltap dump` reads with the eager keys."""
+    """Export a model (torch.export .pt2, or a TorchScript trace .pt) that `modeltap dump` reads
+    with the eager keys."""
     s = settings(
         "export",
         config,
@@ -77,8 +80,13 @@ def export(
     if not s.texts and not s.input_file and not factory:
         raise InputError("torch.export traces one run: give TEXT or --input-file")
     path = Path(s.out) if s.out else Path(f"{Path(s.model.rstrip('/')).name or 'model'}.pt2")
-    if path.suffix != ".pt2":
-        raise InputError(f"'{path}' must end in .pt2 (torch.export's archive)")
+    from modeltap.loading.archive import TORCHSCRIPT_SUFFIXES
+
+    traced = path.suffix in TORCHSCRIPT_SUFFIXES
+    if path.suffix != ".pt2" and not traced:
+        raise InputError(
+            f"'{path}' must end in .pt2 (torch.export's archive) or .pt (a TorchScript trace)"
+        )
     from modeltap.dump import check_writable
 
     check_writable(path)
@@ -101,6 +109,32 @@ def export(
         err.print("note: exporting with use_cache=False")
     import torch
 
+    if traced:
+        from modeltap.capture.torchscript import save_traced
+
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+        try:
+            with err.status(f"tracing {loaded.model_class}"):
+                try:
+                    caught = save_traced(net, inputs_.args, inputs_.kwargs, tmp)
+                except Exception as exc:  # tracing raises many kinds
+                    raise InputError(
+                        f"torch.jit.trace can't trace {loaded.model_class}: {first_line(exc)}; "
+                        "export it to a .pt2 instead (MODELTAP_DEBUG=1 shows why)"
+                    ) from exc
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        if caught:
+            err.print(
+                f"note: torch.jit.trace took {len(caught)} Python value(s) computed from the "
+                "inputs as constants; inputs of other shapes may not fit the trace"
+            )
+        err.print(
+            f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, TorchScript trace with the "
+            "modules' output structure)"
+        )
+        return
     from modeltap.capture.export import export_program
 
     with err.status(f"exporting {loaded.model_class}"):

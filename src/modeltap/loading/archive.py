@@ -165,6 +165,29 @@ def load_torchscript(path: str | Path) -> Any:
         ) from exc
 
 
+def torchscript_outputs(path: str | Path) -> dict | None:
+    """The record of the modules' eager output structure that `save_traced` keeps in a
+    TorchScript archive (`extra/modeltap/outputs.json`), or None (traced or scripted elsewhere)."""
+    from modeltap.capture.structure import STRUCTURE_FILE
+
+    with zipfile.ZipFile(path) as z:
+        entry = next((n for n in z.namelist() if n.endswith(f"/extra/{STRUCTURE_FILE}")), None)
+        if entry is None:
+            return None
+        try:
+            record = json.loads(z.read(entry))
+        except ValueError as exc:
+            raise InputError(
+                f"'{Path(path).name}': unreadable {entry} ({exc}); save it again"
+            ) from exc
+    if not isinstance(record, dict) or record.get("format") != 1:
+        raise InputError(
+            f"'{Path(path).name}': {entry} is not an output record this modeltap reads; "
+            "save the archive again"
+        )
+    return record
+
+
 def example_inputs(program: Any) -> Any:
     """The inputs a .pt2 was exported with (loaded with weights_only=True), as Inputs, or None."""
     import torch
