@@ -5,15 +5,27 @@ The public API is imported lazily so that `import modeltap` (and `modeltap --hel
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# Bound eagerly (capture and record import no torch at load time): each submodule has the same
-# name as its function, and a lazy attribute would be shadowed by the submodule as soon as
-# anything imported it.
+# Bound eagerly (capture imports no torch at load time): each submodule has the same name as its
+# function, and a lazy attribute would be shadowed by the submodule as soon as anything imported
+# it. `record`'s package is imported first (light: its modules load on first use), so that the
+# front below, which imports the recorder on its first call, is what stays bound here.
 from modeltap.capture import capture  # noqa: E402
-from modeltap.record import record  # noqa: E402
+
+importlib.import_module("modeltap.record")
+
+
+def record(model: Any, out_dir: Any, **options: Any) -> Any:
+    """Record `model` inside a training loop: `with modeltap.record(model, "runs/x") as rec:
+    ... rec.step()`; options as `modeltap.record.recording.record`."""
+    from modeltap.record.recording import record as start
+
+    return start(model, out_dir, **options)
+
 
 _EXPORTS = {
     "hooks": "modeltap.capture",
@@ -67,7 +79,5 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        import importlib
-
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'modeltap' has no attribute {name!r}")

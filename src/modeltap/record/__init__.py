@@ -3,25 +3,64 @@
 One module per concern: `recording` (the recorder and its hooks), `tripwire` (which module made
 the first NaN/Inf), `rules` (small functions over statistics), `index` (the per-rank index that
 `modeltap show DIR` reads), `dist` (ranks and sharded tensors). Importing this package imports no
-torch.
+torch, and each of these modules only when one of its names is first used.
 """
 
 from __future__ import annotations
 
-from modeltap.record.index import RunIndex, read_run, step_file_name
-from modeltap.record.recording import Recording, record
-from modeltap.record.rules import (
-    DeadUnits,
-    ExplodingGradient,
-    Observation,
-    Rule,
-    RuleHit,
-    Saturation,
-    UpdateRatio,
-    VanishingGradient,
-    default_rules,
-)
-from modeltap.record.tripwire import NonFiniteError, Trip
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from modeltap.record.index import RunIndex, read_run, step_file_name
+    from modeltap.record.recording import Recording, record
+    from modeltap.record.rules import (
+        DeadUnits,
+        ExplodingGradient,
+        Observation,
+        Rule,
+        RuleHit,
+        Saturation,
+        UpdateRatio,
+        VanishingGradient,
+        default_rules,
+    )
+    from modeltap.record.tripwire import NonFiniteError, Trip
+
+# Each name from the module that defines it, when first asked for: `modeltap show` and the other
+# commands import this package's index only, and should not pay for the recorder.
+_HOMES = {
+    "RunIndex": "index",
+    "read_run": "index",
+    "step_file_name": "index",
+    "Recording": "recording",
+    "record": "recording",
+    "NonFiniteError": "tripwire",
+    "Trip": "tripwire",
+    **dict.fromkeys(
+        [
+            "DeadUnits",
+            "ExplodingGradient",
+            "Observation",
+            "Rule",
+            "RuleHit",
+            "Saturation",
+            "UpdateRatio",
+            "VanishingGradient",
+            "default_rules",
+        ],
+        "rules",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        value = getattr(importlib.import_module(f"modeltap.record.{_HOMES[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'modeltap.record' has no attribute {name!r}")
+
 
 __all__ = [
     "DeadUnits",
