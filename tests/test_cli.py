@@ -173,9 +173,16 @@ def test_debug_env_shows_the_traceback(monkeypatch):
 
 
 def test_help_does_not_import_torch():
-    code = "import sys; from modeltap.cli import app; print('torch' in sys.modules)"
+    code = (
+        "import sys; from modeltap.cli import app; "
+        "print(*(m in sys.modules for m in ('torch', 'numpy', 'modeltap.record.recording')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.split() == ["False", "False", "False"]
+    # The recorder still comes with `modeltap.record`, on its first call.
+    code = "import modeltap; print(modeltap.record.__doc__.split(':')[0])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "Record `model` inside a training loop"
     help_run = subprocess.run(
         [sys.executable, "-m", "modeltap", "--help"], capture_output=True, text=True, check=True
     )
