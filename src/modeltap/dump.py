@@ -477,6 +477,8 @@ def _write_at(fd: int, tensor: torch.Tensor, position: int) -> None:
 
 def _dense(x: torch.Tensor) -> bool:
     """Whether x's elements fill their memory exactly once (any order of dims)."""
+    if x.is_contiguous():
+        return True
     expected = 1
     for stride, size in sorted(
         (st, sz) for sz, st in zip(x.shape, x.stride(), strict=True) if sz != 1
