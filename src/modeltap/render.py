@@ -130,7 +130,7 @@ def _walk(nodes: list[_Node], parent: str | None, prefix: str) -> Iterable[tuple
         yield from _walk(node.children, node.module, inner)
 
 
-def dump_table(dump: Dump, *, width: int = 80) -> Table:
+def dump_table(dump: Dump, *, width: int = 80) -> Table | Text:
     """The tree of captured tensors with their statistics, as wide as `width` allows.
 
     Numbers are never cut: the module column takes what they leave, and a name too long for it
