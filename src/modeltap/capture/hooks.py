@@ -180,7 +180,7 @@ def capture(
     with torch.random.fork_rng(devices=[]):
         rng = torch.get_rng_state()
         sink, recorder, output = once(None)
-        changed = frozenset(recorder.changed) | sink.changed()
+        changed = frozenset(recorder.changed)
         if changed:
             sink, recorder, output = once(changed)
     return Captured(sink.tensors, recorder.aliases, recorder.order, recorder.skipped, output)

@@ -46,7 +46,7 @@ class Recorder:
         nothing else. `drain` names them after the forward."""
         import torch
 
-        if type(value) is torch.Tensor:
+        if type(value) is torch.Tensor and not is_input:
             self._pending.append((module, value, is_input, value._version))
             return
         # A structure is taken apart now: a list the model appends to later keeps today's parts.
@@ -165,27 +165,21 @@ class Captured:
 
 
 class MemorySink:
-    """Keeps a reference to each distinct tensor and its version, to notice later in-place changes.
+    """Keeps a reference to each distinct tensor, and a copy of those in `copy_keys`.
 
-    Holding references costs nothing at capture time; a tensor that the model changed in place after
-    its module returned (`x += residual`, ReLU(inplace=True)) is caught by its version counter, and
-    `capture` runs again, copying just those tensors at the moment their module returns.
+    Holding references costs nothing at capture time. A tensor that the model changed in place
+    after its module returned (`x += residual`, ReLU(inplace=True)) is caught by its version
+    counter (`Recorder.changed`), and `capture` runs again, copying just those tensors at the
+    moment their module returns.
     """
 
     def __init__(self, copy_keys: frozenset[str] = frozenset()) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
-        self.versions: dict[str, int] = {}
         self.copy_keys = copy_keys
 
     def tensor(self, key: str, tensor: torch.Tensor) -> None:
         value = tensor.detach()
-        if key in self.copy_keys:
-            value = value.clone()
-        self.tensors[key] = value
-        self.versions[key] = value._version
+        self.tensors[key] = value.clone() if key in self.copy_keys else value
 
     def alias(self, key: str, target: str) -> None:
         pass
-
-    def changed(self) -> frozenset[str]:
-        return frozenset(k for k, t in self.tensors.items() if t._version != self.versions[k])
