@@ -21,7 +21,6 @@ import struct
 import sys
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +36,8 @@ from modeltap.stats import (
 )
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future, ThreadPoolExecutor
+
     import torch
 
 FORMAT = "modeltap"
@@ -288,6 +289,8 @@ class DumpWriter:
             with self._lock:
                 self._stats_order.append(key)
                 if self._final_pool is None:
+                    from concurrent.futures import ThreadPoolExecutor
+
                     import torch
 
                     # a tensor final_stats sends back to tensor_stats adds up in the caller's
