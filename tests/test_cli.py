@@ -175,14 +175,24 @@ def test_debug_env_shows_the_traceback(monkeypatch):
 def test_help_does_not_import_torch():
     code = (
         "import sys; from modeltap.cli import app; "
-        "print(*(m in sys.modules for m in ('torch', 'numpy', 'modeltap.record.recording')))"
+        "print(*(m in sys.modules for m in ('torch', 'numpy', 'modeltap.record.recording', "
+        "'modeltap.capture.hooks', 'modeltap.loading.inputs')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "False", "False"]
-    # The recorder still comes with `modeltap.record`, on its first call.
-    code = "import modeltap; print(modeltap.record.__doc__.split(':')[0])"
+    assert out.stdout.split() == ["False"] * 5
+    # The recorder and the hooks still come with `modeltap.record` and `modeltap.capture`, the
+    # functions, on their first call.
+    code = (
+        "import modeltap; print(modeltap.record.__doc__.split(':')[0]); "
+        "print(modeltap.capture.__doc__.split(' under')[0]); "
+        "from modeltap.capture import capture, split_key; print(capture.__module__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "Record `model` inside a training loop"
+    assert out.stdout.splitlines() == [
+        "Record `model` inside a training loop",
+        "Run `model(*args, **kwargs)`",
+        "modeltap.capture.hooks",
+    ]
     help_run = subprocess.run(
         [sys.executable, "-m", "modeltap", "--help"], capture_output=True, text=True, check=True
     )

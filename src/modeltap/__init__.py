@@ -10,13 +10,19 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# Bound eagerly (capture imports no torch at load time): each submodule has the same name as its
-# function, and a lazy attribute would be shadowed by the submodule as soon as anything imported
-# it. `record`'s package is imported first (light: its modules load on first use), so that the
-# front below, which imports the recorder on its first call, is what stays bound here.
-from modeltap.capture import capture  # noqa: E402
-
+# `capture` and `record` are both a function here and a package beside this file. Each package is
+# imported first (light: its modules load on first use) and the function defined after it, so that
+# the front, which imports the real function on its first call, is what stays bound here.
+importlib.import_module("modeltap.capture")
 importlib.import_module("modeltap.record")
+
+
+def capture(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run `model(*args, **kwargs)` under no_grad and return every selected module's output, as
+    `modeltap.capture.hooks.capture` (options `modules`, `inputs`, `train_mode`, `seed`)."""
+    from modeltap.capture.hooks import capture as run
+
+    return run(model, *args, **kwargs)
 
 
 def record(model: Any, out_dir: Any, **options: Any) -> Any:

@@ -1,21 +1,46 @@
 """Capture: hook a model's modules, name what they return, and hand it to a sink.
 
 One module per concern: `keys` (naming rules), `recorder` (events -> sink), `hooks` (the eager
-backend). Importing this package imports no torch.
+backend). Importing this package imports no torch, and each of these modules only when one of its
+names is first used: `modeltap show` needs `split_key`, not the hooks.
 """
 
 from __future__ import annotations
 
-from modeltap.capture.hooks import capture, hooks, run_model
-from modeltap.capture.keys import CALL_SEP, INPUT_PART, PART_SEP, flatten, make_key, split_key
-from modeltap.capture.recorder import Captured, MemorySink, Recorder, Sink
+from typing import TYPE_CHECKING
+
+from modeltap._lazy import lazy_names
+
+if TYPE_CHECKING:
+    from modeltap.capture.hooks import capture, hooks, run_model
+    from modeltap.capture.keys import (
+        CALL_SEP,
+        INPUT_PART,
+        PART_SEP,
+        flatten,
+        make_key,
+        split_key,
+    )
+    from modeltap.capture.recorder import Captured, MemorySink, Recorder, Sink
+
+_HOMES = {
+    **dict.fromkeys(["capture", "hooks", "run_model"], "hooks"),
+    **dict.fromkeys(
+        ["CALL_SEP", "INPUT_PART", "PART_SEP", "flatten", "make_key", "split_key"], "keys"
+    ),
+    **dict.fromkeys(["Captured", "MemorySink", "Recorder", "Sink"], "recorder"),
+}
+
+
+__getattr__ = lazy_names(__name__, _HOMES)
+
 
 __all__ = [
     "CALL_SEP",
-    "INPUT_PART",
-    "PART_SEP",
     "Captured",
+    "INPUT_PART",
     "MemorySink",
+    "PART_SEP",
     "Recorder",
     "Sink",
     "capture",

@@ -1,28 +1,71 @@
-"""Where models and inputs come from: `hf` (Hub id or folder), `inputs` (text, tensor files)."""
+"""Where models and inputs come from: `hf` (Hub id or folder), `inputs` (text, tensor files).
+
+Each module is imported when one of its names is first used: the CLI's option declarations need the
+`hf` enums, not the input readers.
+"""
 
 from __future__ import annotations
 
-from modeltap.loading.hf import (
-    Device,
-    DType,
-    Loaded,
-    ModelSource,
-    load_meta_model,
-    load_model,
-    load_tokenizer,
-    looks_like_path,
-    model_class,
-    pick_device,
-    resolve_model,
-)
-from modeltap.loading.inputs import (
-    Inputs,
-    add_decoder_inputs,
-    check_forward_names,
-    check_length,
-    file_inputs,
-    text_inputs,
-)
+from typing import TYPE_CHECKING
+
+from modeltap._lazy import lazy_names
+
+if TYPE_CHECKING:
+    from modeltap.loading.hf import (
+        Device,
+        DType,
+        Loaded,
+        ModelSource,
+        load_meta_model,
+        load_model,
+        load_tokenizer,
+        looks_like_path,
+        model_class,
+        pick_device,
+        resolve_model,
+    )
+    from modeltap.loading.inputs import (
+        Inputs,
+        add_decoder_inputs,
+        check_forward_names,
+        check_length,
+        file_inputs,
+        text_inputs,
+    )
+
+_HOMES = {
+    **dict.fromkeys(
+        [
+            "DType",
+            "Device",
+            "Loaded",
+            "ModelSource",
+            "load_meta_model",
+            "load_model",
+            "load_tokenizer",
+            "looks_like_path",
+            "model_class",
+            "pick_device",
+            "resolve_model",
+        ],
+        "hf",
+    ),
+    **dict.fromkeys(
+        [
+            "Inputs",
+            "add_decoder_inputs",
+            "check_forward_names",
+            "check_length",
+            "file_inputs",
+            "text_inputs",
+        ],
+        "inputs",
+    ),
+}
+
+
+__getattr__ = lazy_names(__name__, _HOMES)
+
 
 __all__ = [
     "DType",

@@ -8,8 +8,9 @@ torch, and each of these modules only when one of its names is first used.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from modeltap._lazy import lazy_names
 
 if TYPE_CHECKING:
     from modeltap.record.index import RunIndex, read_run, step_file_name
@@ -54,12 +55,7 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        value = getattr(importlib.import_module(f"modeltap.record.{_HOMES[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'modeltap.record' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _HOMES)
 
 
 __all__ = [
