@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
+from rich.text import Text
 
 from modeltap.dump import load_dump
 from modeltap.loading import Inputs
@@ -69,6 +70,23 @@ def test_tree_at_140_columns_has_more(bert_dir, tmp_path, update_golden):
     text = render(dump_table(dump, width=140), 140)
     assert "same tensor as" in text and "dtype" in text
     check_golden("tiny_bert_140.txt", text, update_golden)
+
+
+def test_every_width_from_80_lays_out_whole_numbers(bert_dir, tmp_path):
+    # Where the wide columns do not fit (just above WIDE), the narrow ones do: Rich's table, which
+    # would share out the width (and took 0.16 s for MiniLM), is only for narrower terminals.
+    dump = tiny_dump(bert_dir, tmp_path)
+    narrow = render(dump_table(dump, width=80), 80).splitlines()
+    kinds = set()
+    for width in range(80, 201, 4):
+        table = dump_table(dump, width=width)
+        assert isinstance(table, Text), width
+        lines = render(table, width).splitlines()
+        assert max(len(line) for line in lines) <= width
+        kinds.add("dtype" in lines[0])
+        if "dtype" not in lines[0]:
+            assert [line.rstrip() for line in lines] == [line.rstrip() for line in narrow]
+    assert kinds == {False, True}
 
 
 def test_nan_rows_are_red():
