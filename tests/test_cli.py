@@ -176,7 +176,7 @@ def test_help_does_not_import_torch():
     code = (
         "import sys; from modeltap.cli import app; "
         "print(*(m in sys.modules for m in ('torch', 'numpy', 'modeltap.record.recording', "
-        "'modeltap.capture.hooks', 'modeltap.loading.inputs')))"
+        "'modeltap.capture.eager', 'modeltap.loading.inputs')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False"] * 5
@@ -191,12 +191,28 @@ def test_help_does_not_import_torch():
     assert out.stdout.splitlines() == [
         "Record `model` inside a training loop",
         "Run `model(*args, **kwargs)`",
-        "modeltap.capture.hooks",
+        "modeltap.capture.eager",
     ]
     help_run = subprocess.run(
         [sys.executable, "-m", "modeltap", "--help"], capture_output=True, text=True, check=True
     )
     assert "dump" in help_run.stdout
+
+
+def test_lazy_packages_name_nothing_after_one_of_their_modules():
+    # Importing a submodule binds it on its package, over a lazy name of the same name.
+    import importlib
+    import pkgutil
+
+    for package in ("modeltap.capture", "modeltap.loading", "modeltap.record"):
+        module = importlib.import_module(package)
+        submodules = {info.name for info in pkgutil.iter_modules(module.__path__)}
+        assert not submodules & set(module.__all__), package
+        for name in module.__all__:
+            assert getattr(module, name) is not None
+    from modeltap.capture import eager, hooks
+
+    assert callable(hooks) and hooks is eager.hooks
 
 
 COMMANDS = ["dump", "grads", "show", "ls", "diff", "compare", "export"]

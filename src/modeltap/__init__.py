@@ -19,8 +19,8 @@ importlib.import_module("modeltap.record")
 
 def capture(model: Any, *args: Any, **kwargs: Any) -> Any:
     """Run `model(*args, **kwargs)` under no_grad and return every selected module's output, as
-    `modeltap.capture.hooks.capture` (options `modules`, `inputs`, `train_mode`, `seed`)."""
-    from modeltap.capture.hooks import capture as run
+    `modeltap.capture.eager.capture` (options `modules`, `inputs`, `train_mode`, `seed`)."""
+    from modeltap.capture.eager import capture as run
 
     return run(model, *args, **kwargs)
 

@@ -242,7 +242,7 @@ def run_grads(
     import torch
 
     from modeltap.capture import hooks, run_model
-    from modeltap.capture.hooks import backward_error, model_mode
+    from modeltap.capture.eager import backward_error, model_mode
 
     spec.check()
     by_name = {(n or ROOT): m for n, m in model.named_modules()}

@@ -1,8 +1,10 @@
 """Capture: hook a model's modules, name what they return, and hand it to a sink.
 
-One module per concern: `keys` (naming rules), `recorder` (events -> sink), `hooks` (the eager
-backend). Importing this package imports no torch, and each of these modules only when one of its
-names is first used: `modeltap show` needs `split_key`, not the hooks.
+One module per concern: `keys` (naming rules), `recorder` (events -> sink), then one per backend:
+`eager` (forward hooks: `hooks`, `capture`), `compile`, `export`, `torchscript`, `fx`. Importing
+this package imports no torch, and each of these modules only when one of its names is first used:
+`modeltap show` needs `split_key`, not the hooks. (No name here is also a module's: importing the
+module would bind it over the name.)
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import TYPE_CHECKING
 from modeltap._lazy import lazy_names
 
 if TYPE_CHECKING:
-    from modeltap.capture.hooks import capture, hooks, run_model
+    from modeltap.capture.eager import capture, hooks, run_model
     from modeltap.capture.keys import (
         CALL_SEP,
         INPUT_PART,
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
     from modeltap.capture.recorder import Captured, MemorySink, Recorder, Sink
 
 _HOMES = {
-    **dict.fromkeys(["capture", "hooks", "run_model"], "hooks"),
+    **dict.fromkeys(["capture", "hooks", "run_model"], "eager"),
     **dict.fromkeys(
         ["CALL_SEP", "INPUT_PART", "PART_SEP", "flatten", "make_key", "split_key"], "keys"
     ),
