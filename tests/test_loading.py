@@ -162,3 +162,16 @@ def test_one_text_with_a_tokenizer_without_pad_token(tmp_path):
     inputs = text_inputs(tok, ["hello world"], max_length=2)
     assert inputs.kwargs["input_ids"].tolist() == [tok("hello world")["input_ids"][:2]]
     assert tok.pad_token is None  # nothing was padded, nothing borrowed
+
+
+def test_text_longer_than_the_model_is_left_to_check_length(bert_dir, caplog):
+    # transformers warns about it (once per tokenizer, on a handler bound to whatever stderr was
+    # then); the CLI's one-line error from check_length says it, with the fix.
+    import logging
+
+    tok = load_tokenizer(bert_dir)
+    long_text = " ".join(["hello world"] * 100)  # > 64 positions of the tiny BERT
+    with caplog.at_level(logging.WARNING):
+        inputs = text_inputs(tok, [long_text])
+    assert inputs.kwargs["input_ids"].shape[1] > 64
+    assert not [r for r in caplog.records if "sequence length" in r.getMessage()]

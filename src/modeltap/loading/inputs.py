@@ -53,7 +53,9 @@ def text_inputs(tokenizer: Any, texts: list[str], *, max_length: int | None = No
     if max_length is not None:
         options.update(truncation=True, max_length=max_length)
         notes["max_length"] = max_length
-    encoded = tokenizer(list(texts), return_tensors="pt", **options)
+    # verbose=False: transformers' own "sequence length is longer than..." warning would come
+    # before check_length's one-line error that names the fix.
+    encoded = tokenizer(list(texts), return_tensors="pt", verbose=False, **options)
     kwargs = dict(encoded)
     description: dict[str, Any] = {"texts": list(texts), **notes}
     description["tensors"] = {k: list(v.shape) for k, v in kwargs.items()}
