@@ -279,7 +279,7 @@ class DumpWriter:
         code = None if self.stats_only else _DTYPES.get(dtype)
         if code is None and not self.stats_only:
             raise InputError(f"can't store '{key}' of dtype {dtype}; use --stats-only")
-        x = tensor.detach()
+        x = tensor.detach() if tensor.requires_grad else tensor
         options = {
             "dead_threshold": self.dead_threshold,
             "row_mask": self._stats_mask,

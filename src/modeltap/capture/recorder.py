@@ -62,8 +62,9 @@ class Recorder:
 
         pending, self._pending = self._pending, []
         calls = self._calls
+        tensor = self._tensor
         for module, value, is_input, versions in pending:
-            if isinstance(value, _Leaves):
+            if type(value) is _Leaves:
                 before = len(self.order)
                 self._leaves(module, value.leaves, is_input, iter(versions))
                 now = [v._version for _, v in value.leaves if isinstance(v, torch.Tensor)]
@@ -72,10 +73,11 @@ class Recorder:
                 changed = (k for k, v, w in zip(keys, versions, now, strict=True) if v != w)
                 self.changed.update(changed)
                 continue
-            call = calls.get((module, False), 0)
-            calls[(module, False)] = call + 1
-            key = make_key(module, call)
-            self._tensor(key, value, versions)
+            slot = (module, False)
+            call = calls.get(slot, 0)
+            calls[slot] = call + 1
+            key = module if call == 0 else make_key(module, call)
+            tensor(key, value, versions)
             if value._version != versions:
                 self.changed.add(key)
 
@@ -178,7 +180,9 @@ class MemorySink:
         self.copy_keys = copy_keys
 
     def tensor(self, key: str, tensor: torch.Tensor) -> None:
-        value = tensor.detach()
+        # Detached only when it needs it: an output under no_grad is the value itself, and a
+        # detached alias costs as much as the rest of a key's bookkeeping after the forward.
+        value = tensor.detach() if tensor.requires_grad else tensor
         self.tensors[key] = value.clone() if key in self.copy_keys else value
 
     def alias(self, key: str, target: str) -> None:
