@@ -1,6 +1,6 @@
 """Issue #12: modeltap against what a user writes by hand with bare hooks, same model, same way.
 
-    .venv/bin/python scripts/bench_perf.py            # about 5 minutes on 2 cores
+    .venv/bin/python scripts/bench_perf.py            # about 8 minutes on 2 cores
     .venv/bin/python scripts/bench_perf.py --quick    # fewer repetitions
     .venv/bin/python scripts/bench_perf.py --startup  # only the commands' start-up
 
@@ -291,7 +291,7 @@ def main() -> None:
     parser.add_argument("--startup", action="store_true", help="only the start-up figures")
     parser.add_argument("--workload", choices=["minilm", "bert-base"], help="only this workload")
     parser.add_argument("--figure", choices=[*FIGURES, "rss"], help="only this figure")
-    parser.add_argument("--reps", type=int, help="rounds per figure (default 100 MiniLM, 5 bert)")
+    parser.add_argument("--reps", type=int, help="rounds per figure (default 300 MiniLM, 7 bert)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -309,7 +309,7 @@ def main() -> None:
             small = workload.startswith("MiniLM")
             if args.workload and args.workload != ("minilm" if small else "bert-base"):
                 continue
-            reps = args.reps or ((10 if args.quick else 100) if small else (3 if args.quick else 5))
+            reps = args.reps or ((10 if args.quick else 300) if small else (3 if args.quick else 7))
             scale, unit = (1e3, "ms") if small else (1.0, "s")
             for figure in FIGURES:
                 if args.figure and args.figure != figure:
