@@ -17,12 +17,21 @@ importlib.import_module("modeltap.capture")
 importlib.import_module("modeltap.record")
 
 
-def capture(model: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run `model(*args, **kwargs)` under no_grad and return every selected module's output, as
-    `modeltap.capture.eager.capture` (options `modules`, `inputs`, `train_mode`, `seed`)."""
+def capture(
+    model: Any,
+    *args: Any,
+    modules: list[str] | None = None,
+    inputs: bool = False,
+    train_mode: bool = False,
+    seed: int | None = None,
+    **kwargs: Any,
+) -> Captured:
+    """Run `model(*args, **kwargs)` under no_grad and return every selected module's output
+    (`modules`: display names, default all; as `modeltap.capture.eager.capture`)."""
     from modeltap.capture.eager import capture as run
 
-    return run(model, *args, **kwargs)
+    options = {"modules": modules, "inputs": inputs, "train_mode": train_mode, "seed": seed}
+    return run(model, *args, **options, **kwargs)
 
 
 def record(model: Any, out_dir: Any, **options: Any) -> Any:
