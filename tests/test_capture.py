@@ -194,3 +194,30 @@ def test_hooks_only_keep_outputs_during_the_forward_and_name_them_after():
         b = model.inner.b(a)
     assert torch.equal(captured["inner.a"], a) and torch.equal(captured["inner:1"], b)
     assert captured.keys() == ["inner.a", "inner:0", "inner:1"]
+
+
+def test_a_returned_parameter_comes_back_as_a_plain_tensor():
+    # Outputs are handed back as they are (no detach needed under no_grad), except what is not a
+    # plain tensor or still requires grad: a module that returns its Parameter, frozen or not.
+    class Give(torch.nn.Module):
+        def __init__(self, requires_grad: bool) -> None:
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.arange(3.0), requires_grad=requires_grad)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.p
+
+    class Top(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.frozen, self.trained = Give(False), Give(True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.frozen(x) + self.trained(x) + x
+
+    top = Top()
+    cap = capture(top, torch.zeros(3))
+    for name in ("frozen", "trained"):
+        assert type(cap[name]) is torch.Tensor and not cap[name].requires_grad, name
+        assert torch.equal(cap[name], getattr(top, name).p.detach())
+    assert torch.equal(cap["__root__"], 2 * torch.arange(3.0))
