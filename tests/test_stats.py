@@ -182,7 +182,11 @@ def test_batch_of_small_tensors_is_exact_and_the_same_one_by_one():
 
 
 @pytest.mark.parametrize(
-    "shape", [(4, 7, 33), (3, 70_000), (2, 100_000), (50,), (), (1, 1, 1)], ids=str
+    "shape",
+    # (8, 50_000) and (600_000,) span 2 and 3 blocks of 2^18 elements: the blocks' moments are
+    # combined around a large mean
+    [(4, 7, 33), (3, 70_000), (2, 100_000), (8, 50_000), (600_000,), (50,), (), (1, 1, 1)],
+    ids=str,
 )
 def test_final_stats_in_one_pass_match_a_float64_reference(shape):
     from modeltap.stats import final_stats
@@ -210,7 +214,7 @@ def test_final_stats_left_out_rows_and_what_goes_the_other_way():
     from modeltap.stats import final_stats
 
     torch.manual_seed(1)
-    x = torch.randn(2, 40_000, 4)  # blocks of 16384 rows: the second row's kept rows cross them
+    x = torch.randn(2, 40_000, 4)  # blocks of 65536 rows: the second row's kept rows cross them
     x[:, :, 1] = -1.0
     x[1, 30_000:, 1] = 5.0  # alive only in padding
     mask = torch.ones(2, 40_000, dtype=torch.long)
