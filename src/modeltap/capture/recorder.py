@@ -176,16 +176,17 @@ class MemorySink:
     """
 
     def __init__(self, copy_keys: frozenset[str] = frozenset()) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.copy_keys = copy_keys
-
-    def tensor(self, key: str, tensor: torch.Tensor) -> None:
         import torch
 
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.copy_keys = copy_keys
+        self._plain = torch.Tensor
+
+    def tensor(self, key: str, tensor: torch.Tensor) -> None:
         # Detached only when it needs it: an output under no_grad is the value itself, and a
         # detached alias costs as much as the rest of a key's bookkeeping after the forward. A
         # Parameter (even frozen) or other subclass is handed back as a plain tensor, as before.
-        plain = type(tensor) is torch.Tensor and not tensor.requires_grad
+        plain = type(tensor) is self._plain and not tensor.requires_grad
         value = tensor if plain else tensor.detach()
         self.tensors[key] = value.clone() if key in self.copy_keys else value
 
