@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from modeltap.capture.backend import BackendRun
+from modeltap.capture.eager import model_mode
 from modeltap.capture.recorder import Recorder, Sink
 from modeltap.capture.structure import STRUCTURE_FILE, OutputStructure, record_outputs
 from modeltap.errors import InputError, RunError, first_line
@@ -167,9 +168,7 @@ def save_traced(
 
     import torch
 
-    was_training = model.training
-    model.eval()
-    try:
+    with model_mode(model, train_mode=False):
         record = record_outputs(model, args, kwargs)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", torch.jit.TracerWarning)
@@ -183,8 +182,6 @@ def save_traced(
                 )
             else:
                 script = torch.jit.trace(model, args, strict=False, check_trace=False)
-    finally:
-        model.train(was_training)
     torch.jit.save(script, str(path), _extra_files={STRUCTURE_FILE: json.dumps(record)})
     tracer = [
         f"{w.filename}:{w.lineno}: {w.message}"

@@ -4,8 +4,9 @@ TorchScript trace (`.pt`) that keeps the record of every module's output structu
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -112,19 +113,17 @@ def export(
     if traced:
         from modeltap.capture.torchscript import save_traced
 
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
-        try:
-            with err.status(f"tracing {loaded.model_class}"):
-                try:
-                    caught = save_traced(net, inputs_.args, inputs_.kwargs, tmp)
-                except Exception as exc:  # tracing raises many kinds
-                    raise InputError(
-                        f"torch.jit.trace can't trace {loaded.model_class}: {first_line(exc)}; "
-                        "export it to a .pt2 instead (MODELTAP_DEBUG=1 shows why)"
-                    ) from exc
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        def trace(tmp: Path) -> list[str]:
+            try:
+                return save_traced(net, inputs_.args, inputs_.kwargs, tmp)
+            except Exception as exc:  # tracing raises many kinds
+                raise InputError(
+                    f"torch.jit.trace can't trace {loaded.model_class}: {first_line(exc)}; "
+                    "export it to a .pt2 instead (MODELTAP_DEBUG=1 shows why)"
+                ) from exc
+
+        with err.status(f"tracing {loaded.model_class}"):
+            caught = _saved(path, trace)
         if caught:
             err.print(
                 f"note: torch.jit.trace took {len(caught)} Python value(s) computed from the "
@@ -139,15 +138,21 @@ def export(
 
     with err.status(f"exporting {loaded.model_class}"):
         program = export_program(net, inputs_.args, inputs_.kwargs, dynamic=s.dynamic)
-    # torch.export.save wants a name ending in .pt2; hidden, and removed on any failure.
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
-    try:
-        torch.export.save(program, str(tmp))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    _saved(path, lambda tmp: torch.export.save(program, str(tmp)))
     signatures = sum(1 for e in program.module_call_graph if e.signature is not None)
     err.print(
         f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {signatures} module signatures, "
         f"{'dynamic' if s.dynamic else 'static'} shapes)"
     )
+
+
+def _saved(path: Path, save: Callable[[Path], Any]) -> Any:
+    """`save(tmp)` into a hidden file beside `path`, moved into place only when it succeeded and
+    removed on any failure. The name keeps `path`'s suffix: torch.export.save wants `.pt2`."""
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        result = save(tmp)
+        os.replace(tmp, path)
+        return result
+    finally:
+        tmp.unlink(missing_ok=True)
