@@ -51,7 +51,7 @@ def diff_command(
         bool | None,
         typer.Option(
             "--upcast/--no-upcast",
-            help="Compare tensors of different dtypes in float64.",
+            help="Compare tensors of different dtypes, in float32 when both fit, else float64.",
             rich_help_panel=TOL,
         ),
     ] = None,

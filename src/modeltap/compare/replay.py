@@ -294,7 +294,7 @@ class _Cumulative:
         )
         ref = tensor.detach()
         norm = self.ref_norms[key] = _l2(ref)
-        pair = _compare(
+        pair = compare(
             other,
             key,
             self.reader.read(stored),
@@ -469,7 +469,7 @@ class _Replayer:
                 (t for glob, t in self.options.overrides if fnmatchcase(key, glob)),
                 self.options.tolerance,
             )
-            pair = _compare(
+            pair = compare(
                 key,
                 key,
                 value.detach().to(ref.device),
@@ -530,24 +530,6 @@ class _Replayer:
             result.replay = SHORT_CIRCUIT
         elif not result.replay:
             result.replay = LEAF
-
-
-def _compare(
-    key: str, other: str, a: torch.Tensor, b: torch.Tensor, tol: Tolerance, **kwargs: Any
-) -> Pair:
-    """diff's `compare` of a candidate's tensor `a` with the reference's `b`. A bfloat16 or
-    float16 `a` against a float32 `b` is compared in float32, where each of its values is exact,
-    rather than in the float64 diff takes for two dtypes: half the work buffers' memory and
-    traffic (they are sized by the largest output). The pair still names both dtypes."""
-    import torch
-
-    from modeltap.stats import dtype_name
-
-    low = a.dtype in (torch.bfloat16, torch.float16) and b.dtype == torch.float32
-    pair = compare(key, other, a.float() if low else a, b, tol, **kwargs)
-    if low:
-        pair.dtype, pair.other_dtype = dtype_name(a.dtype), dtype_name(b.dtype)
-    return pair
 
 
 def _cannot_stand_in(records: list[Record]) -> str | None:
