@@ -172,7 +172,10 @@ def test_batch_of_small_tensors_is_exact_and_the_same_one_by_one():
             continue
         keep = mask if x.dim() == 3 else None
         ref = _exact_reference(x, keep)
-        for name in ("mean", "std", "norm"):
+        # A mean near 0 is as exact as the sum it comes from, whose float32 error (the per-tensor
+        # path, split by torch's thread count) scales with the spread, not with the mean.
+        assert s.mean == pytest.approx(ref["mean"], rel=1e-7, abs=1e-7 * ref["std"])
+        for name in ("std", "norm"):
             assert getattr(s, name) == pytest.approx(ref[name], rel=1e-7), name
         assert (s.min, s.max) == (ref["min"], ref["max"])
         if x.dim() >= 2:
