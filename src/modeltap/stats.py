@@ -283,7 +283,6 @@ def _batched(
         finite = (np.isfinite(means) & np.isfinite(m2)).tolist()
         # The per-tensor numbers as _moments_into has them, for all tensors at once.
         stds = np.sqrt(m2 / np.maximum(counts - 1, 1))
-        stds[counts == 1] = 0.0
         norms = np.sqrt(m2 + counts * means * means)
         numbers = (means, stds, norms, lows, highs)
         columns = zip(*(a.tolist() for a in numbers), strict=True)
@@ -551,7 +550,7 @@ def final_stats(
 
     For tensors nothing will change any more, read where they are (a finished compiled forward):
     the same fields as `tensor_stats`, equal within float32 rounding (a block's sums are added in
-    its dtype, in another order: numpy's pairwise sum and the BLAS dot product), not to the bit.
+    its dtype, in another order: numpy's pairwise sums), not to the bit.
     Anything else (NaN/Inf, other dtypes, other devices) goes through `tensor_stats`.
     """
     import numpy as np
@@ -582,7 +581,9 @@ def final_stats(
         into = buffer[: part.shape[0]]
         np.subtract(part, values.dtype.type(mean), out=into)
         centred = into.ravel()
-        moments.add(count, mean, float(np.dot(centred, centred)))
+        # numpy's pairwise sum of the squares, as _centered_pass has torch do: a BLAS dot
+        # product is several float32 epsilons off, in last bits that change with its threads
+        moments.add(count, mean, float(np.square(centred, out=centred).sum()))
         lo = min(lo, float(flat.min()))
         block_max = part.max(axis=0)
         hi = max(hi, float(block_max.max()))
