@@ -429,9 +429,7 @@ def test_a_child_output_changed_in_place_falls_back_to_a_full_replay():
     reference = Stack(InPlaceBlock).eval()
     candidate = copy.deepcopy(reference)
     with torch.no_grad():
-        candidate.blocks[0].inner.weight[0] *= (
-            1.5  # a fault in the in-place block's child  # a fault in a child of the in-place block
-        )
+        candidate.blocks[0].inner.weight[0] *= 1.5  # a fault in the in-place block's child
     torch.manual_seed(1)
     report = compare_stack(reference, candidate, torch.randn(3, 16), Tolerance(atol=1e-5))
     by_name = {m.name: m for m in report.modules}

@@ -15,13 +15,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from modeltap.dump import Dump, load_dump
 from modeltap.errors import DumpFormatError, InputError
-
-if TYPE_CHECKING:
-    pass
 
 REPORT_SCHEMA = "modeltap.diff/1"
 

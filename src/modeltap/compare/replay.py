@@ -534,10 +534,10 @@ class _Replayer:
 
 def _cannot_stand_in(records: list[Record]) -> str | None:
     """Why the recorded children can't stand in for themselves, known before any replay."""
+    child = changed(records)
+    if child is not None:
+        return f"'{child}''s output was changed in place after it returned"
     try:
-        child = changed(records)
-        if child is not None:
-            raise Mismatch(f"'{child}''s output was changed in place after it returned")
         check_castable(records)
     except Mismatch as exc:
         return str(exc)
