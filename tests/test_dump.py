@@ -237,7 +237,7 @@ def _write_all(path, tensors, *, mutate, **kwargs):
 
 @pytest.mark.parametrize("cap", [0, 64, 1000, 1 << 20])
 def test_threaded_writes_equal_inline_and_keep_values_as_they_were(tmp_path, monkeypatch, cap):
-    import modeltap.dump as dump_module
+    import modeltap.dump.writer as dump_module
 
     expected = {k: v.clone() for k, v in _mixed_tensors().items()}
     inline = _write_all(
@@ -264,7 +264,7 @@ def test_threaded_writes_equal_inline_and_keep_values_as_they_were(tmp_path, mon
 def test_back_pressure_holds_the_cap_with_a_slow_file(tmp_path, monkeypatch):
     import time
 
-    import modeltap.dump as dump_module
+    import modeltap.dump.writer as dump_module
 
     monkeypatch.setattr(dump_module, "_THREAD_MIN_BYTES", 0)
     real_write = dump_module._write_at
@@ -294,7 +294,7 @@ def test_back_pressure_holds_the_cap_with_a_slow_file(tmp_path, monkeypatch):
 
 
 def test_writer_thread_failure_reaches_the_caller_and_leaves_no_file(tmp_path, monkeypatch):
-    import modeltap.dump as dump_module
+    import modeltap.dump.writer as dump_module
 
     monkeypatch.setattr(dump_module, "_THREAD_MIN_BYTES", 0)
 
@@ -311,7 +311,7 @@ def test_writer_thread_failure_reaches_the_caller_and_leaves_no_file(tmp_path, m
 
 
 def test_dump_of_an_in_place_model_is_the_same_through_the_thread(tmp_path, monkeypatch):
-    import modeltap.dump as dump_module
+    import modeltap.dump.writer as dump_module
 
     torch.manual_seed(0)
     m = InPlace().eval()

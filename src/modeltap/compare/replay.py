@@ -63,7 +63,8 @@ from modeltap.diff import (
     compare,
     parse_map,
 )
-from modeltap.dump import DumpWriter, _read_header, _torch_dtype, load_dump
+from modeltap.dump import DumpWriter, load_dump
+from modeltap.dump.format import _read_header, _torch_dtype
 from modeltap.errors import first_line
 from modeltap.loading import Inputs
 from modeltap.selection import ROOT

@@ -1,31 +1,24 @@
-"""The dump format: a safetensors file written as the model runs, atomically, and its lazy reader.
+"""Writing a dump: a safetensors file streamed as the model runs, atomically.
 
 Layout: the usual safetensors header (8-byte little-endian length, JSON), then the tensor bytes.
 The writer reserves header space up front, padded with spaces as the format allows, and appends each
 distinct tensor as its module returns, so memory does not grow with the number of captured layers.
 If the final header does not fit the reservation, the data is moved once behind a larger header.
-
-Metadata (`__metadata__`, all values strings, JSON where structured): see METADATA_KEYS and README.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import json
-import math
-import mmap
 import os
 import re
 import struct
-import sys
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from modeltap.errors import DumpFormatError, InputError, first_line
+from modeltap.errors import InputError
 from modeltap.stats import (
     TensorStats,
     batch_stats,
@@ -40,72 +33,12 @@ if TYPE_CHECKING:
 
     import torch
 
-FORMAT = "modeltap"
-FORMAT_VERSION = 1
-GRAD_PREFIX = "grad/"
-
-# Every metadata key the writer may set; values are strings, JSON-encoded when marked.
-METADATA_KEYS = {
-    "format": "always 'modeltap'",
-    "format_version": "integer, bumped on incompatible changes",
-    "kind": "'activations', 'gradients' or both joined by '+'",
-    "modeltap_version": "version that wrote the file",
-    "model": "model id or path as given",
-    "revision": "resolved commit hash of a Hub model, when known",
-    "model_class": "class that loaded the model, e.g. BertModel",
-    "inputs": "JSON: texts, or input file name and sha256, and the input tensors' shapes",
-    "dtype": "model dtype",
-    "device": "device the model ran on",
-    "torch": "torch version",
-    "transformers": "transformers version",
-    "seed": "seed set before the forward",
-    "train_mode": "'true' when dropout etc. were active",
-    "selection": "JSON: depth, include, exclude, inputs",
-    "order": "JSON list: every key (aliases too) in the order the model produced it",
-    "aliases": "JSON object: alias key -> key of the stored tensor",
-    "skipped": "JSON object: key -> type name of outputs that are not tensors (None is counted)",
-    "skipped_none": "number of None outputs",
-    "stats": "JSON object: stored key -> statistics (see stats.TensorStats)",
-    "stats_only": "'true' when no tensor data was written",
-    "dead_threshold": "threshold used for dead units",
-    "grad": "JSON, with gradients: target, loss, grad_output, seed, wrt, no_path, jacobian...",
-    # Written by modeltap.record, one file per recorded step and rank:
-    "step": "training step the file records",
-    "rank": "torch.distributed rank that wrote it (0 without a process group)",
-    "world_size": "number of ranks (1 without a process group)",
-    "dist_backend": "process group backend (gloo, nccl...) or 'none'",
-    "record": "JSON: every, full_every, grads, params, gather, on_nonfinite, not_run",
-    "placements": "JSON: key -> placements, global_shape, mesh, local_shape of a sharded tensor",
-    "updates": "JSON: parameter -> ||w_after - w_before|| / ||w_before|| of the step",
-    "rules": "JSON list of rule hits: rule, step, rank, key, value, message",
-    "tripwire": "JSON: where the first non-finite value came from (step, phase, module...)",
-    "devices": "JSON object: stored key -> device the tensor came from (cpu, cuda:0, ...)",
-    "device_map": "JSON object, with --device-map: module -> device accelerate placed it on",
-    "backend": "how the model ran: eager, compile, export, torchscript or fx",
-    "backend_details": "JSON: the backend's details (compile: backend, graphs, graph_breaks...)",
-    "unmapped": "JSON list: selected modules that produced no value (never called, or unmappable)",
-}
-
-_DTYPES = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "uint16": "U16",
-    "uint32": "U32",
-    "uint64": "U64",
-    "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-    "complex64": "C64",
-}
-
-_ALIGN = 8
+from modeltap.dump.format import (
+    _DTYPES,
+    FORMAT,
+    FORMAT_VERSION,
+    _align,
+)
 
 # Bytes a DumpWriter may hold copied but not yet written (its writer thread's buffer).
 DEFAULT_MAX_INFLIGHT = 32 << 20
@@ -117,18 +50,6 @@ _FINAL_WORKERS = 2
 # Small tensors' bytes are gathered up to this much before one write.
 _STAGE_BYTES = 1 << 20
 
-
-@functools.cache
-def _torch_dtype(code: str) -> Any:
-    """safetensors dtype code -> torch dtype (None if unknown)."""
-    import torch
-
-    name = next((n for n, c in _DTYPES.items() if c == code), None)
-    return getattr(torch, name, None) if name else None
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def write_target(path: Path) -> Path:
@@ -682,229 +603,3 @@ class _Pipeline:
             _write_at(self.fd, item.copy, item.position)
 
 
-@dataclass
-class Dump:
-    """A dump opened lazily: metadata now, each tensor only when asked for (memory-mapped)."""
-
-    path: Path
-    metadata: dict[str, str]
-    stored: list[str]
-    aliases: dict[str, str] = field(default_factory=dict)
-    order: list[str] | None = None
-    stats: dict[str, TensorStats] = field(default_factory=dict)
-    _handle: Any = None
-    _map: Any = None
-
-    def _mapping(self) -> tuple[Any, int, dict[str, Any]] | None:
-        """(the file mapped copy-on-write, data start, tensor entries), opened once."""
-        if self._map is None:
-            header = _read_header(self.path)
-            if header is None:
-                return None
-            with open(self.path, "rb") as f:
-                self._map = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), *header)
-        return self._map
-
-    def _mapped(self, target: str) -> torch.Tensor | None:
-        """A zero-copy, copy-on-write view of the tensor in the memory-mapped file, if possible.
-
-        Pages come straight from the page cache; writing to the tensor changes only this
-        process's private copy, never the file. None when the layout does not allow a view.
-        """
-        import torch
-
-        mapping = self._mapping()
-        if mapping is None:
-            return None
-        buffer, start, entries = mapping
-        info = entries.get(target)
-        dtype = _torch_dtype(info["dtype"]) if info else None
-        if dtype is None:
-            return None
-        begin, end = info["data_offsets"]
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if end == begin or (start + begin) % itemsize:
-            return None
-        flat = torch.frombuffer(
-            buffer, dtype=dtype, count=(end - begin) // itemsize, offset=start + begin
-        )
-        return flat.reshape(info["shape"])
-
-    @property
-    def is_modeltap(self) -> bool:
-        return self.metadata.get("format") == FORMAT
-
-    @property
-    def stats_only(self) -> bool:
-        return self.metadata.get("stats_only") == "true"
-
-    def keys(self) -> list[str]:
-        """Every key, aliases included: in execution order when recorded, else in file order.
-
-        A file edited after modeltap wrote it stays consistent: keys whose tensor is gone are left
-        out (but in a stats-only dump, which has no data at all), tensors the order does not know
-        come last.
-        """
-        if self.order is None:
-            return [*self.stored, *self.aliases]
-        if self.stats_only:
-            return list(self.order)
-        stored = set(self.stored)
-        known = set(self.order)
-        return [k for k in self.order if self.resolve(k) in stored] + [
-            k for k in self.stored if k not in known
-        ]
-
-    def resolve(self, key: str) -> str:
-        return self.aliases.get(key, key)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.aliases or key in self.stored
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        target = self.resolve(key)
-        if target not in self.stored:
-            raise KeyError(key)
-        view = self._mapped(target) if sys.byteorder == "little" else None
-        if view is not None:
-            return view
-        if self._handle is None:
-            from safetensors import safe_open
-
-            self._handle = safe_open(str(self.path), framework="pt")
-        return self._handle.get_tensor(target)
-
-    def array(self, key: str) -> tuple[Any, str] | None:
-        """(a numpy array of the tensor, its dtype name), without torch: a read-only view of the
-        memory-mapped file, or for bfloat16 an exact float32 copy. None for a dtype numpy can't
-        hold (float8, complex) or a layout that allows no view: read those with `dump[key]`."""
-        import numpy as np
-
-        target = self.resolve(key)
-        if target not in self.stored:
-            raise KeyError(key)
-        mapping = self._mapping()
-        if mapping is None:
-            return None
-        buffer, start, entries = mapping
-        info = entries.get(target)
-        code = info["dtype"] if info else None
-        stored = _NUMPY.get(code or "")
-        if stored is None or sys.byteorder != "little":
-            return None
-        begin, end = info["data_offsets"]
-        itemsize = np.dtype(stored).itemsize
-        if (start + begin) % itemsize:
-            return None
-        flat = np.frombuffer(
-            buffer, dtype=stored, count=(end - begin) // itemsize, offset=start + begin
-        )
-        name = "bfloat16" if code == "BF16" else str(flat.dtype)
-        if code == "BF16":  # the top half of a float32, to the bit
-            flat = (flat.astype(np.uint32) << 16).view(np.float32)
-        return flat.reshape(info["shape"]), name
-
-    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for key in self.keys():
-            if self.resolve(key) in self.stored:
-                yield key, self[key]
-
-    def stats_for(self, key: str) -> TensorStats | None:
-        return self.stats.get(self.resolve(key))
-
-
-# safetensors dtype code -> the numpy dtype its bytes are read as (bfloat16: as uint16, widened).
-_NUMPY = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "uint16"}
-_NUMPY |= {"I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8"}
-_NUMPY |= {"U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool"}
-
-# Bytes per element of each safetensors dtype code modeltap writes (others are not size-checked).
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1}
-_ITEMSIZE |= {"U8": 1, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-_ITEMSIZE |= {"C64": 8}
-
-
-def _checked_header(path: Path) -> tuple[dict[str, str], list[str]]:
-    """(metadata, tensor names sorted) of a safetensors file, checked as safetensors checks it:
-    a JSON header that fits, and tensors that tile the data exactly. ValueError if not."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ValueError("file shorter than the 8-byte header length")
-        (n,) = struct.unpack("<Q", raw)
-        if n > size - 8:
-            raise ValueError(f"header length {n} runs past the end of the file")
-        header = json.loads(f.read(n))
-    if not isinstance(header, dict):
-        raise ValueError("the header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise ValueError("__metadata__ is not a map of strings")
-    spans = []
-    for name, info in header.items():
-        try:
-            begin, end = info["data_offsets"]
-            shape, code = info["shape"], info["dtype"]
-            numel = math.prod(shape)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"bad entry for tensor '{name}'") from exc
-        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
-            raise ValueError(f"bad data offsets for tensor '{name}'")
-        if code in _ITEMSIZE and numel * _ITEMSIZE[code] != end - begin:
-            raise ValueError(f"tensor '{name}' has {end - begin} bytes for its shape and dtype")
-        spans.append((begin, end))
-    position = 0
-    for begin, end in sorted(spans):
-        if begin != position:
-            raise ValueError("tensor data overlaps or leaves gaps")
-        position = end
-    if position != size - 8 - n:
-        raise ValueError(f"{size - 8 - n} data bytes where the header describes {position}")
-    return metadata, sorted(header)
-
-
-def _read_header(path: Path) -> tuple[int, dict[str, Any]] | None:
-    """(data start, tensor entries) of a safetensors file that safe_open already validated."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            return None
-        (size,) = struct.unpack("<Q", raw)
-        header = json.loads(f.read(size))
-    header.pop("__metadata__", None)
-    return 8 + size, header
-
-
-def load_dump(path: str | os.PathLike[str]) -> Dump:
-    """Open a dump (or any safetensors file) without reading its tensors (nor importing torch:
-    the header is read and checked here; safetensors opens the file when a tensor is asked for)."""
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"no file '{p}'; check the path")
-    try:
-        metadata, stored = _checked_header(p)
-    except (OSError, ValueError) as exc:
-        raise DumpFormatError(
-            f"'{p}' is not a readable safetensors file ({first_line(exc)}); "
-            "re-create it with `modeltap dump`"
-        ) from exc
-    handle = None
-    dump = Dump(p, dict(metadata), stored, _handle=handle)
-    if metadata.get("format") != FORMAT:
-        return dump
-    version = metadata.get("format_version", "")
-    if not version.isdigit() or int(version) > FORMAT_VERSION:
-        raise DumpFormatError(
-            f"'{p}' has dump format version {version!r}, newer than this modeltap reads "
-            f"({FORMAT_VERSION}); upgrade modeltap"
-        )
-    try:
-        dump.aliases = json.loads(metadata.get("aliases", "{}"))
-        dump.order = json.loads(metadata["order"]) if "order" in metadata else None
-        dump.stats = {
-            k: TensorStats.from_json(v) for k, v in json.loads(metadata.get("stats", "{}")).items()
-        }
-    except (ValueError, TypeError) as exc:
-        raise DumpFormatError(f"'{p}' has corrupt modeltap metadata ({exc}); re-create it") from exc
-    return dump
