@@ -29,3 +29,46 @@ def test_stale_output_is_detected():
     assert not same_line(
         "wrote minilm.grads.safetensors", "wrote all-MiniLM-L6-v2.grads.safetensors"
     )
+
+
+def _examples():
+    import importlib.util
+
+    path = ROOT / "scripts" / "readme_examples.py"
+    spec = importlib.util.spec_from_file_location("readme_examples", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rounding_blocks_compare_words_not_rounding():
+    examples = _examples()
+    rounding = examples._rule("<!-- example: rounding -->")
+    # What changed between 1 and 2 threads on one machine: the numbers and the module that holds
+    # the largest error.
+    assert rounding.same(
+        "largest cumulative error 0.02898 in encoder.layer.4.attention.self.key",
+        "largest cumulative error 0.03678 in encoder.layer.3.attention.self",
+    )
+    assert rounding.same(
+        "first divergence: embeddings.LayerNorm  (max abs 4.77e-7, max rel 8.71e-5, 0.1%",
+        "first divergence: embeddings.LayerNorm  (max abs 4.77e-7, max rel 1.21e-4, 0.1%",
+    )
+    # A changed verdict is still caught, and so is a different kind of line.
+    assert not rounding.same("PASS  79 compared, 0 out", "FAIL  79 compared, 3 out")
+    assert not rounding.same("no origin: every module's own", "origin: encoder.layer.3 introduced")
+    # Blocks without a marker keep the shown-precision rule; rel=X widens it.
+    assert not examples._rule("").same("pooler 1×384 1.184 8.23e-4", "pooler 1×384 1.184 8.34e-4")
+    assert examples._rule("<!-- example: rel=0.05 -->").same(
+        "pooler 1×384 1.184 8.23e-4", "pooler 1×384 1.183 8.34e-4"
+    )
+
+
+def test_stale_lines_are_reported_with_what_is_printed_now():
+    examples = _examples()
+    out, stale = examples._merge(["PASS  3 compared"], ["FAIL  3 compared"])
+    assert out == ["FAIL  3 compared"]
+    assert stale == ["'PASS  3 compared' now 'FAIL  3 compared'"]
+    _, stale = examples._merge(["a", "b"], ["a"])
+    assert stale == ["2 lines where it now prints 1"]
