@@ -260,6 +260,14 @@ def _print_backend(err: Any, meta: dict[str, str]) -> None:
         )
     elif meta.get("backend") == "compile":
         err.print(f"torch.compile: {details.get('graphs')} graph(s) with gradient hooks")
+    changed = details.get("changed_after_return") or []
+    if changed:
+        err.print(
+            f"note: {len(changed)} module output(s) changed in place after a graph break, "
+            "recorded as returned (copied): "
+            + ", ".join(changed[:4])
+            + (" ..." if len(changed) > 4 else "")
+        )
     if details.get("output_record") is False:
         if meta.get("backend") == "export":
             what, fix = "program has modules without call signatures and", "keeps the signatures"
