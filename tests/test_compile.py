@@ -288,8 +288,10 @@ def test_structured_output_changed_after_a_break_stats_only() -> None:
     model, x = breaks("pair")
     want = _returned(model, x)
     assert set(stats) == set(want)
+    tol = tolerance_preset("compile")
     for key, value in want.items():
         x64 = value.double()
-        assert (stats[key]["min"], stats[key]["max"]) == (x64.min().item(), x64.max().item())
+        torch.testing.assert_close(stats[key]["min"], x64.min().item(), **tol, msg=key)
+        torch.testing.assert_close(stats[key]["max"], x64.max().item(), **tol, msg=key)
     details = json.loads(meta["backend_details"])
     assert details["changed_after_return"] == ["pair", "pair.fc"]
