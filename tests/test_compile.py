@@ -15,6 +15,7 @@ from modeltap.capture.compile import compile_capture
 from modeltap.cli import app
 from modeltap.config import tolerance_preset
 from tests.fixtures.backends import build_nested, nested, read_dump
+from tests.fixtures.breaks import breaks
 
 runner = CliRunner()
 
@@ -44,6 +45,8 @@ def test_tiny_bert_compiled_dump_has_the_eager_keys_and_values(bert_dir: Path) -
     assert not any("_orig_mod" in k for k in compiled)
     details = json.loads(meta["backend_details"])
     assert (meta["backend"], details["graphs"], details["graph_breaks"]) == ("compile", 1, 0)
+    # no break, no in-place op: nothing copied
+    assert (details["copied_outputs"], details["changed_after_return"]) == (False, [])
     assert eager_meta["backend"] == "eager"
     # hooked but never called in this forward (a ModuleList, sdpa skips attention dropout)
     assert json.loads(meta["unmapped"]) == [
@@ -188,3 +191,107 @@ def test_compiled_stats_only_dump_equals_torch_statistics_of_the_compiled_values
             rows = x[mask.bool()] if x.dim() >= 3 and x.shape[:2] == mask.shape else x
             alive = rows.reshape(-1, x.shape[-1]).amax(0)
             assert got["dead"] == int((alive <= 0).sum()), key
+
+
+def _returned(model: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Independent reference: plain eager hooks that copy each output as its module returns it
+    (`name`, or `name:i` for a tuple's parts), and the model's output (`__root__`)."""
+    values: dict[str, torch.Tensor] = {}
+
+    def hook(name: str):
+        def keep(module, args, out) -> None:
+            parts = dict(enumerate(out)) if isinstance(out, tuple) else {None: out}
+            for i, part in parts.items():
+                values[name if i is None else f"{name}:{i}"] = part.detach().clone()
+
+        return keep
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
+    try:
+        with torch.no_grad():
+            values["__root__"] = model(x).clone()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return values
+
+
+@pytest.mark.parametrize(
+    ("kind", "backend", "changed"),
+    [
+        ("item", "aot_eager", ["a"]),
+        ("item", "inductor", ["a"]),
+        ("print", "aot_eager", ["a"]),
+        ("eager", "aot_eager", ["a"]),
+        ("pair", "aot_eager", ["pair", "pair.fc"]),
+        ("relu", "aot_eager", ["a"]),
+    ],
+)
+def test_a_value_changed_in_place_after_a_graph_break_is_the_one_its_module_returned(
+    kind: str, backend: str, changed: list[str]
+) -> None:
+    model, x = breaks(kind)
+    got, info = compile_capture(model, x, backend=backend)
+    want = _returned(model, x)
+    assert set(got.keys()) == set(want)
+    tol = tolerance_preset("compile")
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, **tol, msg=key)
+    # the change is real: the value after the forward is not the returned one
+    assert (want["a"] - model.a(x).detach()).abs().max() == 0
+    assert info.graph_breaks >= 1 and info.copied_outputs
+    assert info.changed_after_return == changed
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+def _stats(path: str) -> dict[str, dict]:
+    """A stats-only dump's statistics by key, aliases resolved."""
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+    stats = json.loads(meta["stats"])
+    return {**stats, **{k: stats[t] for k, t in json.loads(meta["aliases"]).items()}}
+
+
+def test_compiled_dump_across_a_graph_break_equals_the_eager_dump_stats_only_too() -> None:
+    factory = "tests.fixtures.breaks:build_item"
+    _dump([factory, "-o", "eager.safetensors"])
+    result = runner.invoke(app, ["dump", factory, "--compile", "-o", "compiled.safetensors"])
+    assert result.exit_code == 0, result.output  # inductor
+    assert "note: 1 module output(s) changed in place after a graph break" in result.output
+    _dump([factory, "--compile", "--stats-only", "-o", "stats.safetensors"])
+    eager, _ = read_dump("eager.safetensors")
+    compiled, meta = read_dump("compiled.safetensors")
+    model, x = breaks("item")
+    want = _returned(model, x)
+    tol = tolerance_preset("compile")
+    _assert_same(want, eager, 0, 0)
+    _assert_same(want, compiled, tol["atol"], tol["rtol"])
+    details = json.loads(meta["backend_details"])
+    assert (details["graph_breaks"], details["changed_after_return"]) == (1, ["a"])
+    result = runner.invoke(app, ["diff", "eager.safetensors", "compiled.safetensors"])
+    assert result.exit_code == 0, result.output
+    stats = _stats("stats.safetensors")
+    assert set(stats) == set(want)
+    for key, value in want.items():
+        got, x64 = stats[key], value.double()
+        torch.testing.assert_close(got["mean"], x64.mean().item(), **tol, msg=key)
+        torch.testing.assert_close(got["max"], x64.max().item(), **tol, msg=key)
+        torch.testing.assert_close(got["min"], x64.min().item(), **tol, msg=key)
+
+
+def test_structured_output_changed_after_a_break_stats_only() -> None:
+    common = ["tests.fixtures.breaks:build_pair", "--compile", "--compile-backend", "aot_eager"]
+    _dump([*common, "--stats-only", "-o", "stats.safetensors"])
+    stats = _stats("stats.safetensors")
+    with safe_open("stats.safetensors", "pt") as f:
+        meta = f.metadata()
+    model, x = breaks("pair")
+    want = _returned(model, x)
+    assert set(stats) == set(want)
+    tol = tolerance_preset("compile")
+    for key, value in want.items():
+        x64 = value.double()
+        torch.testing.assert_close(stats[key]["min"], x64.min().item(), **tol, msg=key)
+        torch.testing.assert_close(stats[key]["max"], x64.max().item(), **tol, msg=key)
+    details = json.loads(meta["backend_details"])
+    assert details["changed_after_return"] == ["pair", "pair.fc"]

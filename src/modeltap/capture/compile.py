@@ -11,6 +11,13 @@ Dynamo ignores hooks added after a module was compiled, so the hooks go on first
 caches are reset before compiling. A value the model changes in place after its module returned
 (`h += 1`, `ReLU(inplace=True)`) comes back from a compiled graph already changed; when a graph
 changes a logged value in place, the capture compiles again with hooks that copy each output.
+
+Across a graph break the change happens later, in eager code or in a later graph that takes the
+value as an input (and bumps its version counter). The first run stamps each logged tensor with its
+version where it left the graph that logged it (or entered it, for a graph's own input: never later
+than its module returned); a tensor whose version moved by the end of the forward was changed after
+its module returned, and the capture compiles again with copying hooks on just those modules. A
+forward of one graph skips the stamps after that first run.
 """
 
 from __future__ import annotations
@@ -70,6 +77,8 @@ class CompileInfo:
     graphs: int = 0
     graph_breaks: int = 0
     copied_outputs: bool = False
+    # modules whose logged value a later graph or eager code changed in place (their hooks copy)
+    changed_after_return: list[str] = field(default_factory=list)
     first_call_s: float = 0.0
     run_s: float = 0.0
     unmapped: list[str] = field(default_factory=list)
@@ -81,6 +90,7 @@ class CompileInfo:
             "graphs": self.graphs,
             "graph_breaks": self.graph_breaks,
             "copied_outputs": self.copied_outputs,
+            "changed_after_return": self.changed_after_return,
             "first_call_s": round(self.first_call_s, 3),
             "run_s": round(self.run_s, 4),
         }
@@ -91,6 +101,9 @@ class CompiledCapture:
     """A compiled model whose selected modules log `(name, output)`; call `run` for each forward.
 
     Use as a context manager: the hooks come off and `training` is restored at the end.
+    `copy`: the modules whose hooks log a copy of the value besides the value (entries are then
+    `(value, copy)` pairs). `watch`: stamp each logged tensor's version at the graph boundaries,
+    for `changed`.
     """
 
     model: nn.Module
@@ -99,9 +112,16 @@ class CompiledCapture:
     fullgraph: bool = False
     inputs: bool = False
     train_mode: bool = False
-    copy_outputs: bool = False
+    copy: frozenset[str] = frozenset()
+    watch: bool = False
     log: list[tuple[str, Any, bool]] = field(default_factory=list)
     graphs: list[Any] = field(default_factory=list)
+    # per log entry: its tensors' versions when the entry was logged (see `_stamp`)
+    _stamps: list[list[int]] = field(default_factory=list)
+    # id -> (tensor, version) of the last graph call's inputs as it began and outputs as it ended
+    _boundary: dict[int, tuple[Any, int]] = field(default_factory=dict)
+    # log index -> versions, for entries a hook logged in eager code (see `_eager_stamp`)
+    _eager: dict[int, list[int]] = field(default_factory=dict)
     _handles: list[Any] = field(default_factory=list)
     _training: dict[Any, bool] = field(default_factory=dict)
     _compiled: Any = None
@@ -116,22 +136,24 @@ class CompiledCapture:
             raise SelectionError(unknown_name_message(missing[0], named))
         self._training = {m: m.training for m in named.values()}
         self.model.train(self.train_mode)
+        hooks = []
         try:
             for name in self.modules:
                 module = named[name]
                 # The root's hooks run outside the compiled graph, and nothing can change its
                 # output after it returned: never copy it (a copy there is a graph of its own).
-                copy = self.copy_outputs and module is not self.model
-                self._handles.append(module.register_forward_hook(self._output_hook(name, copy)))
+                copy = name in self.copy and module is not self.model
+                hooks.append(self._output_hook(name, copy))
+                self._handles.append(module.register_forward_hook(hooks[-1]))
                 if self.inputs:
+                    hooks.append(self._input_hook(name, copy))
                     self._handles.append(
-                        module.register_forward_pre_hook(
-                            self._input_hook(name, copy), with_kwargs=True
-                        )
+                        module.register_forward_pre_hook(hooks[-1], with_kwargs=True)
                     )
             # Compiled code cached for this model's forward (by an earlier compile, or before the
             # hooks changed) would run without our hooks: start from empty caches.
             torch._dynamo.reset()
+            _plain_when_called_from_eager(hooks)  # after the reset, which forgets it
             self._compiled = torch.compile(
                 self.model, backend=self._counting_backend(), fullgraph=self.fullgraph
             )
@@ -162,9 +184,15 @@ class CompiledCapture:
         import torch
 
         self.log.clear()
+        self._stamps.clear()
+        self._eager.clear()
+        self._boundary = {}
         try:
             with torch.no_grad():
-                return self._compiled(*args, **kwargs)
+                output = self._compiled(*args, **kwargs)
+            if self.watch:
+                self._stamp()  # the last graph's entries and the root's
+            return output
         except InputError:
             raise
         except Exception as exc:  # dynamo wraps every backend and tracing failure its own way
@@ -177,6 +205,46 @@ class CompiledCapture:
                 f"torch.compile ({self.backend}) failed: {first_line(exc)}; {hint} "
                 "(MODELTAP_DEBUG=1 shows the traceback)"
             ) from exc
+        finally:
+            self._boundary = {}
+
+    @property
+    def copy_outputs(self) -> bool:
+        """Whether the log's entries are `(value, copy)` pairs."""
+        return bool(self.copy)
+
+    def changed(self) -> set[str]:
+        """The modules (not copied) whose logged tensors changed in place after they were logged:
+        a later graph or eager code after a graph break changed them (needs `watch`)."""
+        found = set()
+        paired = self.copy_outputs
+        for (name, value, _), stamp in zip(self.log, self._stamps, strict=False):
+            if name in self.copy or name in found:
+                continue
+            if [t._version for t in _tensors(value[0] if paired else value)] != stamp:
+                found.add(name)
+        return found
+
+    def _stamp(self) -> None:
+        """Stamp the entries logged since the last boundary. Dynamo appends a graph's entries
+        right after the graph returns, so a tensor the last graph returned has the version it
+        had then; one it took as input (an identity module's output), the version it had as the
+        graph began, which can only be older than its module's return (a needless copy, never a
+        missed change). A hook run in eager code stamped its entry as it logged it."""
+        boundary = self._boundary
+        paired = self.copy_outputs
+        for _, value, _ in self.log[len(self._stamps) :]:
+            eager = self._eager.get(len(self._stamps))
+            if eager is not None:
+                self._stamps.append(eager)
+                continue
+            if paired:
+                value = value[0]
+            stamp = []
+            for t in _tensors(value):
+                seen = boundary.get(id(t))
+                stamp.append(seen[1] if seen is not None and seen[0] is t else t._version)
+            self._stamps.append(stamp)
 
     def has_inplace(self) -> bool:
         """Whether any graph changes a tensor in place (then logged values may have changed)."""
@@ -189,39 +257,75 @@ class CompiledCapture:
 
         def backend(gm: Any, example_inputs: Any) -> Any:
             self.graphs.append(gm)
-            return inner(gm, example_inputs)
+            compiled = inner(gm, example_inputs)
+            boxed = getattr(compiled, "_boxed_call", False)
+
+            def watched(*args: Any) -> Any:
+                if not self.watch:
+                    return compiled(*args)
+                self._stamp()
+                flat = args[0] if boxed else args
+                boundary = {id(t): (t, t._version) for t in flat if isinstance(t, torch.Tensor)}
+                out = compiled(*args)
+                for t in out:
+                    if isinstance(t, torch.Tensor) and id(t) not in boundary:
+                        boundary[id(t)] = (t, t._version)
+                self._boundary = boundary
+                return out
+
+            if boxed:
+                watched._boxed_call = True  # type: ignore[attr-defined]
+            return watched
 
         return backend
 
     def _output_hook(self, name: str, copy: bool) -> Callable[..., None]:
         log = self.log
+        stamp = self._eager_stamp
         if copy:
 
             def copying_hook(module: nn.Module, args: Any, output: Any) -> None:
                 log.append((name, (output, _copy(output)), False))
+                stamp()
 
             return copying_hook
-        if self.copy_outputs:  # the root: a pair like the others, without the copy
+        if self.copy_outputs:  # a pair like the copied ones, without the copy
 
             def pair_hook(module: nn.Module, args: Any, output: Any) -> None:
                 log.append((name, (output, output), False))
+                stamp()
 
             return pair_hook
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             log.append((name, output, False))
+            stamp()
 
         return hook
 
     def _input_hook(self, name: str, copy: bool) -> Callable[..., None]:
         log = self.log
-        paired = self.copy_outputs  # the root's inputs come as a pair too, without the copy
+        stamp = self._eager_stamp
+        paired = self.copy_outputs  # uncopied inputs come as a pair too, without the copy
 
         def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
             value = (args, kwargs)
             log.append((name, (value, _copy(value) if copy else value) if paired else value, True))
+            stamp()
 
         return hook
+
+    def _eager_stamp(self) -> None:
+        """After a hook's append: a hook that runs in eager code (outside the graphs: the
+        root's, or one in a frame dynamo skipped) stamps its entry now, when the value is the
+        one its module returned. In a graph this traces to nothing."""
+        from torch.compiler import is_compiling
+
+        if is_compiling() or not self.watch:
+            return
+        index = len(self.log) - 1
+        value = self.log[index][1]
+        self._eager[index] = [t._version for t in _tensors(value[0] if self.copy else value)]
 
 
 class _Finished:
@@ -250,6 +354,27 @@ def record_run(cap: CompiledCapture, sink: Sink) -> Recorder:
     recorder = Recorder(_Finished(sink))
     record_log(recorder, cap.log, copied=cap.copy_outputs)
     return recorder
+
+
+def _plain_when_called_from_eager(hooks: list[Callable[..., None]]) -> None:
+    """A hook called from eager code (in a frame dynamo fell back on) runs as plain Python, and
+    `_eager_stamp` with it; dynamo would otherwise convert the hook's own frame, where
+    `is_compiling()` is true and no graph is made, so the stamp would be lost. A hook traced
+    inside a graph is still inlined there (the strategy is for frames, not for inlining)."""
+    from torch._C._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    for code in {hook.__code__ for hook in hooks}:
+        set_code_exec_strategy(code, skip)
+
+
+def _tensors(value: Any) -> list[Any]:
+    """The tensor leaves of a logged value, as the copying hooks see them."""
+    import torch
+    from torch.utils import _pytree
+
+    return [t for t in _pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _copy(value: Any) -> Any:
@@ -373,11 +498,13 @@ def compiled_run(
 ) -> tuple[Recorder, CompileInfo, Any]:
     """Compile `model` with `modules` hooked, run it twice (compile, then the timed run) and name
     what the second run logged into `sink`. In-place ops in a graph make it compile again with
-    copying hooks."""
+    copying hooks on every module; a logged value changed after a graph break, with copying
+    hooks on the modules that returned it."""
     import torch
 
     info = CompileInfo(backend, fullgraph)
-    copy = False
+    copy: frozenset[str] = frozenset()
+    changed: set[str] = set()
     while True:
         with CompiledCapture(
             model,
@@ -386,7 +513,8 @@ def compiled_run(
             fullgraph=fullgraph,
             inputs=inputs,
             train_mode=train_mode,
-            copy_outputs=copy,
+            copy=copy,
+            watch=True,
         ) as cap:
             with torch.random.fork_rng(devices=[]):
                 if seed is not None:
@@ -394,18 +522,31 @@ def compiled_run(
                 start = time.perf_counter()
                 cap.run(args, kwargs)
                 info.first_call_s += time.perf_counter() - start
-            if not copy and cap.has_inplace():
-                copy = True
+            changed |= cap.changed()
+            wanted = copy | changed
+            if cap.has_inplace():
+                wanted |= set(modules)
+            if wanted != copy:
+                copy = frozenset(wanted)
                 continue
+            # The timed run takes the first run's path; with graph breaks it is watched again
+            # (a cheap check), without any the stamps' cost is spared.
+            cap.watch = len(cap.graphs) > 1
             with torch.random.fork_rng(devices=[]):
                 if seed is not None:
                     torch.manual_seed(seed)
                 start = time.perf_counter()
                 output = cap.run(args, kwargs)
                 info.run_s = time.perf_counter() - start
+            later = cap.changed() if cap.watch else set()
+            if later:  # another path than the first run's: compile again, copying those too
+                changed |= later
+                copy |= changed
+                continue
             info.graphs = len(cap.graphs)
             info.graph_breaks = max(0, info.graphs - 1)
-            info.copied_outputs = copy
+            info.copied_outputs = bool(copy)
+            info.changed_after_return = sorted(changed)
             fired = {name for name, _, _ in cap.log}
             info.unmapped = [m for m in modules if m not in fired]
             return record_run(cap, sink), info, output

@@ -7,6 +7,13 @@ of any call, inlined or not, is the value computed inside it that is used outsid
 returned): the same keys as the eager hooks give. A GraphModule built by hand, with no such
 metadata, gets its `call_module` outputs only; the modules that produce nothing are listed as
 unmapped.
+
+Tracing keeps no output structure: a block returning `(x + h, h)` leaves two values in the order
+they were computed (`h` first), and one returning `(x, h)` leaves only `h` (`x` is its input).
+`trace` keeps the eager structure's record (`structure.py`) in the GraphModule's `meta`, and the
+dump maps the values onto it: the eager keys. A GraphModule traced without one keeps the graph's
+shape (a bare key for one value, `:0`, `:1` in graph order for several; listed in
+`backend_details`), and `backend_details` says `output_record: false`.
 """
 
 from __future__ import annotations
@@ -17,11 +24,26 @@ from typing import TYPE_CHECKING, Any
 
 from modeltap.capture.backend import BackendRun
 from modeltap.capture.recorder import Recorder, Sink
+from modeltap.capture.structure import OutputStructure, record_outputs
 from modeltap.errors import InputError, RunError, first_line
 from modeltap.selection import ROOT
 
 if TYPE_CHECKING:
+    import torch.fx
     from torch import nn
+
+# where `trace` keeps the eager output structure's record in a GraphModule's `meta`
+STRUCTURE_META = "modeltap_outputs"
+
+
+def trace(model: nn.Module, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
+    """`torch.fx.symbolic_trace(model)`, with a record of each module call's eager output
+    structure (one eager forward on the inputs) so that a dump of it has the eager keys."""
+    import torch.fx
+
+    gm = torch.fx.symbolic_trace(model)
+    gm.meta[STRUCTURE_META] = record_outputs(model, args, kwargs)
+    return gm
 
 
 @dataclass
@@ -90,6 +112,8 @@ class FxBackend:
     """Dump a GraphModule's module outputs under the eager keys."""
 
     name: str = "fx"
+    # record_outputs' record; None: the GraphModule's own (`trace` keeps it in `meta`), if any
+    outputs: dict | None = None
 
     def run(
         self,
@@ -152,12 +176,29 @@ class FxBackend:
             for m, training in was_training.items():
                 m.training = training
         seconds = time.perf_counter() - start
+        record = self.outputs
+        if record is None:
+            record = getattr(gm, "meta", {}).get(STRUCTURE_META)
+        structure = OutputStructure.of(record)
         recorder = Recorder(sink)
+        graph_order = []
         for call in calls:
             got = [values[n] for n in call.escaping]
-            recorder.record(call.module, got[0] if len(got) == 1 else tuple(got))
+            if record is None and len(got) > 1:
+                graph_order.append(call.module)
+            recorder.record(call.module, structure.module_value(call.module, got))
         if ROOT in selected:
-            recorder.record(ROOT, output)
+            recorder.record(ROOT, structure.root_value(output))
         called = {c.module for c in calls} | {ROOT}
-        details = {"graph_nodes": len(gm.graph.nodes), "run_s": seconds}
+        details: dict[str, Any] = {
+            "graph_nodes": len(gm.graph.nodes),
+            "run_s": seconds,
+            "output_record": record is not None,
+        }
+        if graph_order:
+            details["parts_in_graph_order"] = graph_order
+        if structure.unmatched:
+            details["structure_unmatched"] = structure.unmatched
+        if structure.missing:
+            details["parts_not_in_graph"] = structure.missing
         return BackendRun(recorder, details, [m for m in modules if m not in called], output)

@@ -260,7 +260,22 @@ def _print_backend(err: Any, meta: dict[str, str]) -> None:
         )
     elif meta.get("backend") == "compile":
         err.print(f"torch.compile: {details.get('graphs')} graph(s) with gradient hooks")
-    if details.get("output_record") is False:
+    changed = details.get("changed_after_return") or []
+    if changed:
+        err.print(
+            f"note: {len(changed)} module output(s) changed in place after a graph break, "
+            "recorded as returned (copied): "
+            + ", ".join(changed[:4])
+            + (" ..." if len(changed) > 4 else "")
+        )
+    if details.get("output_record") is False and meta.get("backend") == "fx":
+        err.print(
+            "note: this GraphModule has no record of the modules' eager output structure: a "
+            "module returning a tuple is keyed by the values that leave it (one: a bare key; "
+            "several: :0, :1 in graph order); trace it with "
+            "modeltap.capture.fx.trace(model, *inputs) for the eager keys"
+        )
+    elif details.get("output_record") is False:
         if meta.get("backend") == "export":
             what, fix = "program has modules without call signatures and", "keeps the signatures"
         else:
