@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -348,9 +349,62 @@ def hook(event, args):
         opened.add(os.path.basename(args[0]))
 sys.addaudithook(hook)
 from typer.testing import CliRunner
+import modeltap.errors
 from modeltap.cli import app
 result = CliRunner().invoke(app, ["ls", root])
 print(result.exit_code, sorted(opened))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "0 ['config.json']"
+
+
+NOWHERE = "/proc/modeltap-nope"  # the kernel refuses new folders here, even to root
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["dump", "{bert}", "hi", "-o", f"{NOWHERE}/x.safetensors"], "-o/--out"),
+        (["grads", "{bert}", "hi", "-o", f"{NOWHERE}/sub/x.safetensors"], "-o/--out"),
+        (["export", "{bert}", "hi", "-o", f"{NOWHERE}/x.pt2"], "-o/--out"),
+        (["export", "{bert}", "hi", "-o", f"{NOWHERE}/x.pt"], "-o/--out"),
+        (["diff", "a.safetensors", "a.safetensors", "--junit", f"{NOWHERE}/j.xml"], "--junit"),
+        (["compare", "{bert}", "hi", "-a", "bf16", "--junit", f"{NOWHERE}/j.xml"], "--junit"),
+        (["compare", "{bert}", "hi", "-a", "bf16", "--out-dir", NOWHERE], "--out-dir"),
+    ],
+)
+def test_an_output_folder_that_cannot_be_made_fails_before_loading(
+    args, flag, bert_dir, tmp_path, monkeypatch
+):
+    import modeltap.loading
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output path was checked")
+
+    monkeypatch.setattr(modeltap.loading, "load_model", no_loading)
+    save_file({"x": torch.ones(2)}, tmp_path / "a.safetensors")
+    before = set(tmp_path.iterdir())
+    result = invoke(*[str(bert_dir) if a == "{bert}" else a for a in args])
+    assert_clean_error(result, "can't be made")
+    assert f"change {flag}" in result.stderr
+    assert set(tmp_path.iterdir()) == before
+
+
+def test_export_makes_a_missing_output_folder(bert_dir, tmp_path):
+    result = invoke("export", bert_dir, "hello", "-o", "sub/dir/a.pt2")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "sub" / "dir" / "a.pt2").is_file()
+    assert not list((tmp_path / "sub" / "dir").glob(".*tmp*"))
+
+
+def test_the_output_check_leaves_no_folder_behind(bert_dir, tmp_path, monkeypatch):
+    import modeltap.loading
+
+    def failing_load(*args, **kwargs):
+        raise modeltap.errors.InputError("stop here")
+
+    monkeypatch.setattr(modeltap.loading, "load_model", failing_load)
+    assert_clean_error(invoke("dump", bert_dir, "hi", "-o", "new/deeper/x.safetensors"), "stop")
+    assert not (tmp_path / "new").exists()
+

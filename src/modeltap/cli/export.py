@@ -150,6 +150,7 @@ def _saved(path: Path, save: Callable[[Path], Any]) -> Any:
     """`save(tmp)` into a hidden file beside `path`, moved into place only when it succeeded and
     removed on any failure. The name keeps `path`'s suffix: torch.export.save wants `.pt2`."""
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    path.parent.mkdir(parents=True, exist_ok=True)
     try:
         result = save(tmp)
         os.replace(tmp, path)
