@@ -408,3 +408,59 @@ def test_the_output_check_leaves_no_folder_behind(bert_dir, tmp_path, monkeypatc
     assert_clean_error(invoke("dump", bert_dir, "hi", "-o", "new/deeper/x.safetensors"), "stop")
     assert not (tmp_path / "new").exists()
 
+
+FACTORY = "tests.fixtures.backends:build_nested"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["dump", "{bert}", "hi", "--fullgraph"], "--fullgraph can't apply without --compile"),
+        (
+            ["dump", "{bert}", "hi", "--compile-backend", "aot_eager", "--no-fullgraph"],
+            "--compile-backend and --no-fullgraph can't apply without --compile",
+        ),
+        (["dump", "{bert}", "hi", "-t", "pooler"], "--target can't apply without --grads"),
+        (["dump", "{bert}", "hi", "--no-params"], "--no-params can't apply without --grads"),
+        (
+            ["dump", "{bert}", "hi", "--device", "cpu", "--device-map", "auto"],
+            "give --device cpu or --device-map auto, not both",
+        ),
+        (
+            ["grads", "{bert}", "hi", "--device", "cpu", "--device-map", "auto"],
+            "give --device cpu or --device-map auto, not both",
+        ),
+        (["dump", FACTORY, "--revision", "main"], "--revision can't apply to"),
+        (["dump", FACTORY, "--model-class", "AutoModel"], "--model-class can't apply to"),
+        (["grads", FACTORY, "--revision", "main"], "--revision can't apply to"),
+        (["dump", "{bert}", "hi", "--allow-pickle"], "--allow-pickle can't apply to"),
+        (["ls", "{bert}", "--dtype", "bfloat16"], "--dtype can't apply without --device-map"),
+        (["ls", "{bert}", "--allow-pickle"], "--allow-pickle can't apply to"),
+        (["ls", FACTORY, "--revision", "main"], "--revision can't apply to"),
+        (["export", "{bert}", "hi", "-o", "a.pt", "--static"], "--static can't apply to a Torch"),
+        (["export", "m.pt2", "hi"], "'m.pt2' is an archive already"),
+        (["export", FACTORY, "--model-class", "AutoModel"], "--model-class can't apply to"),
+    ],
+)
+def test_an_option_that_cannot_apply_is_refused_before_loading(
+    args, message, bert_dir, tmp_path, monkeypatch
+):
+    import modeltap.loading
+    import modeltap.loading.factory
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(modeltap.loading, "load_model", no_loading)
+    monkeypatch.setattr(modeltap.loading, "load_meta_model", no_loading)
+    monkeypatch.setattr(modeltap.loading.factory, "load_factory", no_loading)
+    result = invoke(*[str(bert_dir) if a == "{bert}" else a for a in args])
+    assert_clean_error(result, message, tmp_path)
+
+
+def test_export_help_offers_only_what_export_takes():
+    result = invoke("export", "--help")
+    assert result.exit_code == 0
+    text = " ".join(result.stdout.split())
+    model_line = text[text.index("MODEL Hugging Face") : text.index("TEXT Sentences")]
+    assert model_line.endswith("config.json, or pkg.module:factory. ")

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from modeltap.cli.app import app, handle_errors, settings, stderr
+from modeltap.cli.app import app, given, handle_errors, refuse, settings, stderr
 from modeltap.cli.options import (
     GRADIENTS,
     OUTPUT,
@@ -141,8 +141,58 @@ def dump(
         fullgraph=fullgraph,
         max_inflight_mb=max_inflight,
     )
+    refuse_unused(
+        s,
+        device=device,
+        device_map=device_map,
+        revision=revision,
+        model_class=model_class,
+        allow_pickle=allow_pickle,
+    )
+    if not s.compile:
+        refuse(
+            given(compile_backend=compile_backend, fullgraph=fullgraph),
+            "can't apply without --compile",
+            "add --compile or drop {flags}",
+        )
+    if not s.grads:
+        refuse(
+            given(target=target, loss=loss, grad_output=grad_output, params=params),
+            "can't apply without --grads",
+            "add --grads or drop {flags}",
+        )
     # a command-line flag only: no config file or environment may turn it on
     run_dump(s, json_out=json_out, grads=s.grads, activations=True, allow_pickle=bool(allow_pickle))
+
+
+def refuse_unused(s: Settings, *, device: Any, device_map: Any, **flags: Any) -> None:
+    """Loading options that cannot apply to this model are errors, not ignored (each value is
+    the command line's, None when not given): --device with --device-map (a config file's
+    device is checked with the map in `_placement`); Hugging Face options with an archive or a
+    factory; --allow-pickle with anything but a .pt2."""
+    if device is not None and device_map is not None:
+        raise InputError(
+            f"give --device {device.value} or --device-map {device_map.value}, not both"
+        )
+    if not s.model:
+        return
+    if _is_transformed(s.model):
+        refuse(
+            given(revision=flags.get("revision"), model_class=flags.get("model_class"))
+            + given(device_map=device_map),
+            f"can't apply to '{s.model}', an archive or a factory (they load Hugging Face models)",
+        )
+    refuse_pickle_flag(s.model, flags.get("allow_pickle"))
+
+
+def refuse_pickle_flag(model: str, allow_pickle: bool | None) -> None:
+    from modeltap.loading.archive import PT2_SUFFIXES
+
+    if Path(model).suffix.lower() not in PT2_SUFFIXES:
+        refuse(
+            given(allow_pickle=allow_pickle),
+            f"can't apply to '{model}' (only a .pt2 archive is unpickled)",
+        )
 
 
 def run_dump(
@@ -419,7 +469,7 @@ def _load_transformed(s: Settings, allow_pickle: bool = False) -> tuple[Any, Any
                 "or give tensors with --input-file"
             )
         tok = load_tokenizer(s.tokenizer, trust_remote_code=s.trust_remote_code)
-        inputs_ = text_inputs(tok, s.texts)
+        inputs_ = text_inputs(tok, s.texts, max_length=s.max_length)
     elif s.input_file:
         inputs_ = file_inputs(s.input_file)
     elif example is not None:

@@ -10,12 +10,12 @@ from typing import Annotated, Any
 
 import typer
 
-from modeltap.cli.app import app, handle_errors, settings, stderr
+from modeltap.cli.app import app, given, handle_errors, refuse, settings, stderr
 from modeltap.cli.options import (
     OUTPUT,
     ConfigOpt,
+    ExportModelArg,
     InputFileOpt,
-    ModelArg,
     ModelClassOpt,
     RevisionOpt,
     TextArg,
@@ -28,7 +28,7 @@ from modeltap.errors import InputError, first_line
 @app.command("export")
 @handle_errors
 def export(
-    model: ModelArg = None,
+    model: ExportModelArg = None,
     text: TextArg = None,
     input_file: InputFileOpt = None,
     out: Annotated[
@@ -46,7 +46,8 @@ def export(
         bool | None,
         typer.Option(
             "--dynamic/--static",
-            help="Dynamic batch and sequence dims (Dim.AUTO) [default: dynamic].",
+            help=".pt2: dynamic batch and sequence dims (a batch of one is exported as two, "
+            "so that it stays dynamic) [default: dynamic].",
             rich_help_panel=OUTPUT,
         ),
     ] = None,
@@ -73,20 +74,36 @@ def export(
     )
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
+    from modeltap.loading.archive import TORCHSCRIPT_SUFFIXES, is_archive_path
+
+    if is_archive_path(s.model):
+        raise InputError(
+            f"'{s.model}' is an archive already; export the Hugging Face model or the "
+            "pkg.module:factory it was made from"
+        )
     if s.texts and s.input_file:
         raise InputError("give TEXT or --input-file, not both")
     from modeltap.loading.factory import is_factory
 
     factory = is_factory(s.model)
+    if factory:
+        refuse(
+            given(revision=revision, model_class=model_class),
+            f"can't apply to '{s.model}', a factory (they load Hugging Face models)",
+        )
     if not s.texts and not s.input_file and not factory:
         raise InputError("torch.export traces one run: give TEXT or --input-file")
     path = Path(s.out) if s.out else Path(f"{Path(s.model.rstrip('/')).name or 'model'}.pt2")
-    from modeltap.loading.archive import TORCHSCRIPT_SUFFIXES
-
     traced = path.suffix in TORCHSCRIPT_SUFFIXES
     if path.suffix != ".pt2" and not traced:
         raise InputError(
             f"'{path}' must end in .pt2 (torch.export's archive) or .pt (a TorchScript trace)"
+        )
+    if traced:
+        refuse(
+            [] if dynamic is None else ["--dynamic" if dynamic else "--static"],
+            "can't apply to a TorchScript trace (its shapes are what the tracer saw)",
+            "drop {flags}, or write a .pt2",
         )
     from modeltap.dump import check_writable
 

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from modeltap.cli.app import app, handle_errors, settings
-from modeltap.cli.dump import run_dump
+from modeltap.cli.dump import refuse_unused, run_dump
 from modeltap.cli.options import (
     OUTPUT,
     RUNNING,
@@ -128,5 +128,8 @@ def grads(
         device_map=device_map.value if device_map else None,
         max_memory=max_memory,
         offload_folder=str(offload_folder) if offload_folder else None,
+    )
+    refuse_unused(
+        s, device=device, device_map=device_map, revision=revision, model_class=model_class
     )
     run_dump(s, json_out=json_out, grads=True, activations=False)

@@ -29,6 +29,13 @@ ModelArg = Annotated[
         metavar="MODEL",
     ),
 ]
+ExportModelArg = Annotated[
+    str | None,
+    typer.Argument(
+        help="Hugging Face model id or folder with config.json, or pkg.module:factory.",
+        metavar="MODEL",
+    ),
+]
 ConfigOpt = Annotated[
     Path | None,
     typer.Option(
