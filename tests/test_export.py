@@ -250,3 +250,48 @@ def test_bert_program_without_signatures_maps_structured_outputs_with_the_eager_
     assert len(want.keys()) == 46
     _assert_exact(sink, done, want)
     assert done.details["output_record"] is True and "structure_unmatched" not in done.details
+
+
+def _ls_rows(output: str) -> list[tuple[str, str, int]]:
+    """(short name, class, params) of each row of `modeltap ls`."""
+    rows = []
+    for line in output.splitlines()[1:]:
+        *_, name, cls, params = line.split()
+        rows.append((name, cls, int(params.replace(",", ""))))
+    return rows
+
+
+def _eager_rows(model: torch.nn.Module) -> list[tuple[str, str, int]]:
+    return [
+        (
+            name.rpartition(".")[2] or "__root__",
+            type(m).__name__,
+            sum(p.numel() for p in m.parameters()),
+        )
+        for name, m in model.named_modules()
+    ]
+
+
+def test_ls_of_an_archive_shows_the_eager_classes_and_parameter_counts(tmp_path: Path) -> None:
+    model = nested()
+    x = torch.randn(2, 5, 4)
+    # exported elsewhere: no record of the classes; `blocks` is never called
+    torch.export.save(torch.export.export(model, (x,), strict=False), tmp_path / "plain.pt2")
+    torch.jit.save(torch.jit.trace(model, (x,)), tmp_path / "traced.pt")
+    want = sorted(_eager_rows(model))
+    assert ("blocks", "ModuleList", sum(p.numel() for p in model.blocks.parameters())) in want
+    for name in ("plain.pt2", "traced.pt"):
+        r = runner.invoke(app, ["ls", str(tmp_path / name)])
+        assert r.exit_code == 0, r.output
+        assert sorted(_ls_rows(r.stdout)) == want, name
+
+
+def test_ls_of_an_exported_bert_matches_the_eager_model(bert_dir: Path) -> None:
+    from transformers import AutoModel
+
+    r = runner.invoke(app, ["export", str(bert_dir), "hello world", "-o", "b.pt2"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["ls", "b.pt2"])
+    assert r.exit_code == 0, r.output
+    model = AutoModel.from_pretrained(bert_dir)
+    assert sorted(_ls_rows(r.stdout)) == sorted(_eager_rows(model))

@@ -35,6 +35,14 @@ if TYPE_CHECKING:
     from torch.export import ExportedProgram
 
 _CALL = re.compile(r"^(.*?)(?:@(\d+))?$")
+# Every module's class name, kept in a `.pt2` that `modeltap export` writes (torch.export's
+# extra files): the program names the classes of called modules only, not of a ModuleList.
+MODULES_FILE = "modeltap/modules.json"
+
+
+def module_classes(model: nn.Module) -> dict[str, str]:
+    """Dotted name (ROOT for the root) -> class name, for MODULES_FILE."""
+    return {(n or ROOT): type(m).__name__ for n, m in model.named_modules()}
 
 
 def export_program(
@@ -134,9 +142,11 @@ def module_calls(ep: ExportedProgram) -> tuple[list[_Call], list[str]]:
     return calls, unsigned
 
 
-def module_names(ep: ExportedProgram) -> dict[str, str]:
-    """Every module of the program (calls and their parents) -> its class name where known."""
-    classes: dict[str, str] = {}
+def module_names(ep: ExportedProgram, recorded: dict[str, str] | None = None) -> dict[str, str]:
+    """Every module of the program (calls and their parents) -> its class name: from `recorded`
+    (MODULES_FILE) where given, else from the nodes' module stacks; a module never called is a
+    `ModuleList` when its children are numbered, else `Module`."""
+    classes: dict[str, str] = dict(recorded or {})
     for node in ep.graph.nodes:
         for path, cls in (node.meta.get("nn_module_stack") or {}).values():
             if "_empty_nn_module_stack" in path:
@@ -151,7 +161,20 @@ def module_names(ep: ExportedProgram) -> dict[str, str]:
             names.setdefault(fqn, classes.get(fqn, "Module"))
     for fqn, cls in classes.items():
         names.setdefault(fqn, cls)
+    for fqn in [n for n, cls in names.items() if cls == "Module" and n not in classes]:
+        children = [n.rpartition(".")[2] for n in names if n.rpartition(".")[0] == fqn]
+        if children and all(c.isdigit() for c in children):
+            names[fqn] = "ModuleList"
     return names
+
+
+def parameter_shapes(ep: ExportedProgram) -> dict[str, tuple[int, ...]]:
+    """The program's parameters (dotted names) -> shapes, for the module tree's counts."""
+    return {
+        name: tuple(ep.state_dict[name].shape)
+        for name in ep.graph_signature.parameters
+        if name in ep.state_dict
+    }
 
 
 def _stack_fqn(path: str) -> str | None:
@@ -170,9 +193,13 @@ def _class_name(cls: Any) -> str:
     return text.rsplit(".", 1)[-1].strip("'>")
 
 
-def skeleton(names: dict[str, str]) -> nn.Module:
+def skeleton(
+    names: dict[str, str], parameters: dict[str, tuple[int, ...]] | None = None
+) -> nn.Module:
     """An empty module tree with the program's module names and class names, for selection and
-    `ls` (each class is a plain nn.Module subclass named after the original)."""
+    `ls` (each class is a plain nn.Module subclass named after the original), with `parameters`
+    (dotted name -> shape) as meta tensors: sizes without memory, for `ls`'s counts."""
+    import torch
     from torch import nn
 
     class ArchiveModule(nn.Module):
@@ -191,6 +218,16 @@ def skeleton(names: dict[str, str]) -> nn.Module:
         parent_name, _, child = fqn.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
         parent.add_module(child, make(names[fqn]))
+    for name, shape in (parameters or {}).items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = root
+        for part in owner_name.split(".") if owner_name else []:
+            if not hasattr(owner, part):
+                owner.add_module(part, make("Module"))
+            owner = getattr(owner, part)
+        owner.register_parameter(
+            attr, nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
+        )
     return root
 
 

@@ -77,16 +77,18 @@ class _Resolver:
         return prefix
 
 
-def script_skeleton(script: Any) -> Any:
+def script_skeleton(script: Any, *, parameters: bool = False) -> Any:
     """An empty module tree with the ScriptModule's names and original class names (a loaded
-    ScriptModule reports every module as RecursiveScriptModule)."""
+    ScriptModule reports every module as RecursiveScriptModule); with `parameters`, its
+    parameters' shapes as meta tensors, for `ls`'s counts."""
     from modeltap.capture.export import skeleton
 
     return skeleton(
         {
             (n or ROOT): getattr(m, "original_name", type(m).__name__)
             for n, m in script.named_modules()
-        }
+        },
+        {n: tuple(p.shape) for n, p in script.named_parameters()} if parameters else None,
     )
 
 

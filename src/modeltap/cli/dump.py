@@ -489,14 +489,16 @@ def _module_tree(model_name: str, allow_pickle: bool = False) -> Any:
     if is_archive_path(model_name):
         path = Path(model_name)
         if archive_kind(path) is ArchiveKind.export:
-            from modeltap.capture.export import module_names, skeleton
-            from modeltap.loading.archive import load_pt2
+            from modeltap.capture.export import module_names, parameter_shapes, skeleton
+            from modeltap.loading.archive import load_pt2, pt2_module_classes
 
-            return skeleton(module_names(load_pt2(path, allow_pickle=allow_pickle)))
+            program = load_pt2(path, allow_pickle=allow_pickle)
+            names = module_names(program, pt2_module_classes(path))
+            return skeleton(names, parameter_shapes(program))
         from modeltap.capture.torchscript import script_skeleton
         from modeltap.loading.archive import load_torchscript
 
-        return script_skeleton(load_torchscript(path))
+        return script_skeleton(load_torchscript(path), parameters=True)
     from modeltap.loading.factory import load_factory
 
     return load_factory(model_name).module

@@ -3,6 +3,7 @@ TorchScript trace (`.pt`) that keeps the record of every module's output structu
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -155,7 +156,12 @@ def export(
 
     with err.status(f"exporting {loaded.model_class}"):
         program = export_program(net, inputs_.args, inputs_.kwargs, dynamic=s.dynamic)
-    _saved(path, lambda tmp: torch.export.save(program, str(tmp)))
+    from modeltap.capture.export import MODULES_FILE, module_classes
+
+    classes = json.dumps(module_classes(net))
+    _saved(
+        path, lambda tmp: torch.export.save(program, str(tmp), extra_files={MODULES_FILE: classes})
+    )
     signatures = sum(1 for e in program.module_call_graph if e.signature is not None)
     err.print(
         f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {signatures} module signatures, "
