@@ -156,7 +156,7 @@ def export(
 
     with err.status(f"exporting {loaded.model_class}"):
         program = export_program(net, inputs_.args, inputs_.kwargs, dynamic=s.dynamic)
-    from modeltap.capture.export import MODULES_FILE, module_classes
+    from modeltap.capture.export import MODULES_FILE, describe_shapes, module_classes
 
     classes = json.dumps(module_classes(net))
     _saved(
@@ -165,7 +165,7 @@ def export(
     signatures = sum(1 for e in program.module_call_graph if e.signature is not None)
     err.print(
         f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {signatures} module signatures, "
-        f"{'dynamic' if s.dynamic else 'static'} shapes)"
+        f"{describe_shapes(program)})"
     )
 
 
