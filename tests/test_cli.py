@@ -434,6 +434,8 @@ FACTORY = "tests.fixtures.backends:build_nested"
         (["dump", FACTORY, "--model-class", "AutoModel"], "--model-class can't apply to"),
         (["grads", FACTORY, "--revision", "main"], "--revision can't apply to"),
         (["dump", "{bert}", "hi", "--allow-pickle"], "--allow-pickle can't apply to"),
+        (["dump", FACTORY, "--dtype", "bfloat16"], "run on cpu in float32"),
+        (["grads", "{bert}", "hi", "--probes", "gaussian"], "add --jacobian-norm K or drop"),
         (["ls", "{bert}", "--dtype", "bfloat16"], "--dtype can't apply without --device-map"),
         (["ls", "{bert}", "--allow-pickle"], "--allow-pickle can't apply to"),
         (["ls", FACTORY, "--revision", "main"], "--revision can't apply to"),

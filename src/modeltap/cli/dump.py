@@ -182,6 +182,8 @@ def refuse_unused(s: Settings, *, device: Any, device_map: Any, **flags: Any) ->
             + given(device_map=device_map),
             f"can't apply to '{s.model}', an archive or a factory (they load Hugging Face models)",
         )
+        if s.dtype != "float32" or s.device != "cpu":
+            raise InputError("archives and factories run on cpu in float32; drop --dtype/--device")
     refuse_pickle_flag(s.model, flags.get("allow_pickle"))
 
 

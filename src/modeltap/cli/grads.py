@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from modeltap.cli.app import app, handle_errors, settings
+from modeltap.cli.app import app, given, handle_errors, refuse, settings
 from modeltap.cli.dump import refuse_unused, run_dump
 from modeltap.cli.options import (
     OUTPUT,
@@ -132,4 +132,10 @@ def grads(
     refuse_unused(
         s, device=device, device_map=device_map, revision=revision, model_class=model_class
     )
+    if not s.jacobian_norm:
+        refuse(
+            given(probes=probes),
+            "can't apply without --jacobian-norm",
+            "add --jacobian-norm K or drop {flags}",
+        )
     run_dump(s, json_out=json_out, grads=True, activations=False)
