@@ -436,6 +436,8 @@ FACTORY = "tests.fixtures.backends:build_nested"
         (["dump", "{bert}", "hi", "--allow-pickle"], "--allow-pickle can't apply to"),
         (["dump", FACTORY, "--dtype", "bfloat16"], "run on cpu in float32"),
         (["grads", "{bert}", "hi", "--probes", "gaussian"], "add --jacobian-norm K or drop"),
+        (["dump", FACTORY, "--max-length", "3"], "--max-length can't apply without TEXT"),
+        (["grads", FACTORY, "--tokenizer", "{bert}"], "--tokenizer can't apply without TEXT"),
         (["ls", "{bert}", "--dtype", "bfloat16"], "--dtype can't apply without --device-map"),
         (["ls", "{bert}", "--allow-pickle"], "--allow-pickle can't apply to"),
         (["ls", FACTORY, "--revision", "main"], "--revision can't apply to"),

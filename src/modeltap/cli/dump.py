@@ -145,9 +145,12 @@ def dump(
         s,
         device=device,
         device_map=device_map,
+        grads=s.grads,
         revision=revision,
         model_class=model_class,
         allow_pickle=allow_pickle,
+        max_length=max_length,
+        tokenizer=tokenizer,
     )
     if not s.compile:
         refuse(
@@ -165,15 +168,20 @@ def dump(
     run_dump(s, json_out=json_out, grads=s.grads, activations=True, allow_pickle=bool(allow_pickle))
 
 
-def refuse_unused(s: Settings, *, device: Any, device_map: Any, **flags: Any) -> None:
+def refuse_unused(s: Settings, *, device: Any, device_map: Any, grads: bool, **flags: Any) -> None:
     """Loading options that cannot apply to this model are errors, not ignored (each value is
     the command line's, None when not given): --device with --device-map (a config file's
-    device is checked with the map in `_placement`); Hugging Face options with an archive or a
-    factory; --allow-pickle with anything but a .pt2."""
+    device is checked with the map in `_placement`); --max-length and --tokenizer without
+    TEXT; Hugging Face options with an archive or a factory; --allow-pickle with anything but a
+    .pt2."""
     if device is not None and device_map is not None:
         raise InputError(
             f"give --device {device.value} or --device-map {device_map.value}, not both"
         )
+    if not s.texts:
+        refuse(given(max_length=flags.get("max_length")), "can't apply without TEXT")
+        if not (grads and s.loss == "mlm"):  # the tokenizer's mask token
+            refuse(given(tokenizer=flags.get("tokenizer")), "can't apply without TEXT")
     if not s.model:
         return
     if _is_transformed(s.model):

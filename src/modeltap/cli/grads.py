@@ -130,7 +130,14 @@ def grads(
         offload_folder=str(offload_folder) if offload_folder else None,
     )
     refuse_unused(
-        s, device=device, device_map=device_map, revision=revision, model_class=model_class
+        s,
+        device=device,
+        device_map=device_map,
+        grads=True,
+        revision=revision,
+        model_class=model_class,
+        max_length=max_length,
+        tokenizer=tokenizer,
     )
     if not s.jacobian_norm:
         refuse(
