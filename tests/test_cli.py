@@ -438,6 +438,9 @@ FACTORY = "tests.fixtures.backends:build_nested"
         (["grads", "{bert}", "hi", "--probes", "gaussian"], "add --jacobian-norm K or drop"),
         (["dump", FACTORY, "--max-length", "3"], "--max-length can't apply without TEXT"),
         (["grads", FACTORY, "--tokenizer", "{bert}"], "--tokenizer can't apply without TEXT"),
+        (["dump", "m.pt2", "--grads"], "gradients need the eager model"),
+        (["grads", "m.pt"], "gradients need the eager model"),
+        (["dump", "m.pt2", "--compile"], "an archive runs as it is"),
         (["ls", "{bert}", "--dtype", "bfloat16"], "--dtype can't apply without --device-map"),
         (["ls", "{bert}", "--allow-pickle"], "--allow-pickle can't apply to"),
         (["ls", FACTORY, "--revision", "main"], "--revision can't apply to"),
@@ -450,6 +453,7 @@ def test_an_option_that_cannot_apply_is_refused_before_loading(
     args, message, bert_dir, tmp_path, monkeypatch
 ):
     import modeltap.loading
+    import modeltap.loading.archive
     import modeltap.loading.factory
 
     def no_loading(*args, **kwargs):
@@ -458,6 +462,7 @@ def test_an_option_that_cannot_apply_is_refused_before_loading(
     monkeypatch.setattr(modeltap.loading, "load_model", no_loading)
     monkeypatch.setattr(modeltap.loading, "load_meta_model", no_loading)
     monkeypatch.setattr(modeltap.loading.factory, "load_factory", no_loading)
+    monkeypatch.setattr(modeltap.loading.archive, "archive_kind", no_loading)
     result = invoke(*[str(bert_dir) if a == "{bert}" else a for a in args])
     assert_clean_error(result, message, tmp_path)
 

@@ -192,6 +192,13 @@ def refuse_unused(s: Settings, *, device: Any, device_map: Any, grads: bool, **f
         )
         if s.dtype != "float32" or s.device != "cpu":
             raise InputError("archives and factories run on cpu in float32; drop --dtype/--device")
+    from modeltap.loading.archive import is_archive_path
+
+    if is_archive_path(s.model):  # checked again once loaded; a factory may give either
+        if grads:
+            raise InputError(f"gradients need the eager model; dump '{s.model}' without --grads")
+        if s.compile:
+            raise InputError("--compile runs an nn.Module; an archive runs as it is")
     refuse_pickle_flag(s.model, flags.get("allow_pickle"))
 
 
