@@ -391,10 +391,11 @@ def test_an_output_folder_that_cannot_be_made_fails_before_loading(
     assert set(tmp_path.iterdir()) == before
 
 
-def test_export_makes_a_missing_output_folder(bert_dir, tmp_path):
-    result = invoke("export", bert_dir, "hello", "-o", "sub/dir/a.pt2")
+@pytest.mark.parametrize("name", ["a.pt2", "a.pt"])
+def test_export_makes_a_missing_output_folder(name, bert_dir, tmp_path):
+    result = invoke("export", bert_dir, "hello", "-o", f"sub/dir/{name}")
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "sub" / "dir" / "a.pt2").is_file()
+    assert (tmp_path / "sub" / "dir" / name).is_file()
     assert not list((tmp_path / "sub" / "dir").glob(".*tmp*"))
 
 

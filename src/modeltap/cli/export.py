@@ -134,6 +134,8 @@ def export(
         def trace(tmp: Path) -> list[str]:
             try:
                 return save_traced(net, inputs_.args, inputs_.kwargs, tmp)
+            except OSError:  # writing the archive, not tracing (a full disk is one line)
+                raise
             except Exception as exc:  # tracing raises many kinds
                 raise InputError(
                     f"torch.jit.trace can't trace {loaded.model_class}: {first_line(exc)}; "
