@@ -169,11 +169,11 @@ def dump(
 
 
 def refuse_unused(s: Settings, *, device: Any, device_map: Any, grads: bool, **flags: Any) -> None:
-    """Loading options that cannot apply to this model are errors, not ignored (each value is
-    the command line's, None when not given): --device with --device-map (a config file's
-    device is checked with the map in `_placement`); --max-length and --tokenizer without
-    TEXT; Hugging Face options with an archive or a factory; --allow-pickle with anything but a
-    .pt2."""
+    """Options that cannot apply to this run are errors before anything loads, not ignored
+    (each flag's value is the command line's, None when not given): --device with --device-map
+    (a config file's device is checked with the map in `_placement`); --max-length and
+    --tokenizer without TEXT; Hub options, --dtype and --device with an archive or a factory;
+    gradients or --compile with an archive; --allow-pickle with anything but a .pt2."""
     if device is not None and device_map is not None:
         raise InputError(
             f"give --device {device.value} or --device-map {device_map.value}, not both"
@@ -203,6 +203,7 @@ def refuse_unused(s: Settings, *, device: Any, device_map: Any, grads: bool, **f
 
 
 def refuse_pickle_flag(model: str, allow_pickle: bool | None) -> None:
+    """--allow-pickle (or --no-allow-pickle) only means something for a .pt2."""
     from modeltap.loading.archive import PT2_SUFFIXES
 
     if Path(model).suffix.lower() not in PT2_SUFFIXES:
