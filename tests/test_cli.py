@@ -445,6 +445,7 @@ FACTORY = "tests.fixtures.backends:build_nested"
         (["ls", "{bert}", "--dtype", "bfloat16"], "--dtype can't apply without --device-map"),
         (["ls", "{bert}", "--allow-pickle"], "--allow-pickle can't apply to"),
         (["ls", FACTORY, "--revision", "main"], "--revision can't apply to"),
+        (["ls", FACTORY, "--trust-remote-code"], "--trust-remote-code can't apply to"),
         (["export", "{bert}", "hi", "-o", "a.pt", "--static"], "--static can't apply to a Torch"),
         (["export", "m.pt2", "hi"], "'m.pt2' is an archive already"),
         (["export", FACTORY, "--model-class", "AutoModel"], "--model-class can't apply to"),

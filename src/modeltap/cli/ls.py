@@ -71,7 +71,7 @@ def list_modules(
         if planned is not None:
             raise InputError("--device-map is for Hugging Face models; an archive loads on the CPU")
         refuse(
-            given(revision=revision, model_class=model_class),
+            given(revision=revision, model_class=model_class, trust_remote_code=trust_remote_code),
             f"can't apply to '{s.model}', an archive or a factory (they load Hugging Face models)",
         )
         meta_model = _module_tree(s.model, bool(allow_pickle))
