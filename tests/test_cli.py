@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -348,9 +349,129 @@ def hook(event, args):
         opened.add(os.path.basename(args[0]))
 sys.addaudithook(hook)
 from typer.testing import CliRunner
+import modeltap.errors
 from modeltap.cli import app
 result = CliRunner().invoke(app, ["ls", root])
 print(result.exit_code, sorted(opened))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "0 ['config.json']"
+
+
+NOWHERE = "/proc/modeltap-nope"  # the kernel refuses new folders here, even to root
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["dump", "{bert}", "hi", "-o", f"{NOWHERE}/x.safetensors"], "-o/--out"),
+        (["grads", "{bert}", "hi", "-o", f"{NOWHERE}/sub/x.safetensors"], "-o/--out"),
+        (["export", "{bert}", "hi", "-o", f"{NOWHERE}/x.pt2"], "-o/--out"),
+        (["export", "{bert}", "hi", "-o", f"{NOWHERE}/x.pt"], "-o/--out"),
+        (["diff", "a.safetensors", "a.safetensors", "--junit", f"{NOWHERE}/j.xml"], "--junit"),
+        (["compare", "{bert}", "hi", "-a", "bf16", "--junit", f"{NOWHERE}/j.xml"], "--junit"),
+        (["compare", "{bert}", "hi", "-a", "bf16", "--out-dir", NOWHERE], "--out-dir"),
+    ],
+)
+def test_an_output_folder_that_cannot_be_made_fails_before_loading(
+    args, flag, bert_dir, tmp_path, monkeypatch
+):
+    import modeltap.loading
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output path was checked")
+
+    monkeypatch.setattr(modeltap.loading, "load_model", no_loading)
+    save_file({"x": torch.ones(2)}, tmp_path / "a.safetensors")
+    before = set(tmp_path.iterdir())
+    result = invoke(*[str(bert_dir) if a == "{bert}" else a for a in args])
+    assert_clean_error(result, "can't be made")
+    assert f"change {flag}" in result.stderr
+    assert set(tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("name", ["a.pt2", "a.pt"])
+def test_export_makes_a_missing_output_folder(name, bert_dir, tmp_path):
+    result = invoke("export", bert_dir, "hello", "-o", f"sub/dir/{name}")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "sub" / "dir" / name).is_file()
+    assert not list((tmp_path / "sub" / "dir").glob(".*tmp*"))
+
+
+def test_the_output_check_leaves_no_folder_behind(bert_dir, tmp_path, monkeypatch):
+    import modeltap.loading
+
+    def failing_load(*args, **kwargs):
+        raise modeltap.errors.InputError("stop here")
+
+    monkeypatch.setattr(modeltap.loading, "load_model", failing_load)
+    assert_clean_error(invoke("dump", bert_dir, "hi", "-o", "new/deeper/x.safetensors"), "stop")
+    assert not (tmp_path / "new").exists()
+
+
+FACTORY = "tests.fixtures.backends:build_nested"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["dump", "{bert}", "hi", "--fullgraph"], "--fullgraph can't apply without --compile"),
+        (
+            ["dump", "{bert}", "hi", "--compile-backend", "aot_eager", "--no-fullgraph"],
+            "--compile-backend and --no-fullgraph can't apply without --compile",
+        ),
+        (["dump", "{bert}", "hi", "-t", "pooler"], "--target can't apply without --grads"),
+        (["dump", "{bert}", "hi", "--no-params"], "--no-params can't apply without --grads"),
+        (
+            ["dump", "{bert}", "hi", "--device", "cpu", "--device-map", "auto"],
+            "give --device cpu or --device-map auto, not both",
+        ),
+        (
+            ["grads", "{bert}", "hi", "--device", "cpu", "--device-map", "auto"],
+            "give --device cpu or --device-map auto, not both",
+        ),
+        (["dump", FACTORY, "--revision", "main"], "--revision can't apply to"),
+        (["dump", FACTORY, "--model-class", "AutoModel"], "--model-class can't apply to"),
+        (["grads", FACTORY, "--revision", "main"], "--revision can't apply to"),
+        (["dump", "{bert}", "hi", "--allow-pickle"], "--allow-pickle can't apply to"),
+        (["dump", FACTORY, "--dtype", "bfloat16"], "run on cpu in float32"),
+        (["grads", "{bert}", "hi", "--probes", "gaussian"], "add --jacobian-norm K or drop"),
+        (["dump", FACTORY, "--max-length", "3"], "--max-length can't apply without TEXT"),
+        (["grads", FACTORY, "--tokenizer", "{bert}"], "--tokenizer can't apply without TEXT"),
+        (["dump", "m.pt2", "--grads"], "gradients need the eager model"),
+        (["grads", "m.pt"], "gradients need the eager model"),
+        (["dump", "m.pt2", "--compile"], "an archive runs as it is"),
+        (["ls", "{bert}", "--dtype", "bfloat16"], "--dtype can't apply without --device-map"),
+        (["ls", "{bert}", "--allow-pickle"], "--allow-pickle can't apply to"),
+        (["ls", FACTORY, "--revision", "main"], "--revision can't apply to"),
+        (["ls", FACTORY, "--trust-remote-code"], "--trust-remote-code can't apply to"),
+        (["export", "{bert}", "hi", "-o", "a.pt", "--static"], "--static can't apply to a Torch"),
+        (["export", "m.pt2", "hi"], "'m.pt2' is an archive already"),
+        (["export", FACTORY, "--model-class", "AutoModel"], "--model-class can't apply to"),
+    ],
+)
+def test_an_option_that_cannot_apply_is_refused_before_loading(
+    args, message, bert_dir, tmp_path, monkeypatch
+):
+    import modeltap.loading
+    import modeltap.loading.archive
+    import modeltap.loading.factory
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(modeltap.loading, "load_model", no_loading)
+    monkeypatch.setattr(modeltap.loading, "load_meta_model", no_loading)
+    monkeypatch.setattr(modeltap.loading.factory, "load_factory", no_loading)
+    monkeypatch.setattr(modeltap.loading.archive, "archive_kind", no_loading)
+    result = invoke(*[str(bert_dir) if a == "{bert}" else a for a in args])
+    assert_clean_error(result, message, tmp_path)
+
+
+def test_export_help_offers_only_what_export_takes():
+    result = invoke("export", "--help")
+    assert result.exit_code == 0
+    text = " ".join(result.stdout.split())
+    model_line = text[text.index("MODEL Hugging Face") : text.index("TEXT Sentences")]
+    assert model_line.endswith("config.json, or pkg.module:factory. ")

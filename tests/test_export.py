@@ -13,8 +13,15 @@ import torch
 from typer.testing import CliRunner
 
 from modeltap.capture import MemorySink, capture
-from modeltap.capture.export import ExportBackend, export_program, module_names, skeleton
+from modeltap.capture.export import (
+    ExportBackend,
+    export_program,
+    flat_inputs,
+    module_names,
+    skeleton,
+)
 from modeltap.cli import app
+from modeltap.errors import InputError
 from modeltap.loading.archive import load_pt2, scan_pt2
 from tests.fixtures.backends import nested, read_dump
 
@@ -250,3 +257,100 @@ def test_bert_program_without_signatures_maps_structured_outputs_with_the_eager_
     assert len(want.keys()) == 46
     _assert_exact(sink, done, want)
     assert done.details["output_record"] is True and "structure_unmatched" not in done.details
+
+
+def _ls_rows(output: str) -> list[tuple[str, str, int]]:
+    """(short name, class, params) of each row of `modeltap ls`."""
+    rows = []
+    for line in output.splitlines()[1:]:
+        *_, name, cls, params = line.split()
+        rows.append((name, cls, int(params.replace(",", ""))))
+    return rows
+
+
+def _eager_rows(model: torch.nn.Module) -> list[tuple[str, str, int]]:
+    return [
+        (
+            name.rpartition(".")[2] or "__root__",
+            type(m).__name__,
+            sum(p.numel() for p in m.parameters()),
+        )
+        for name, m in model.named_modules()
+    ]
+
+
+def test_ls_of_an_archive_shows_the_eager_classes_and_parameter_counts(tmp_path: Path) -> None:
+    model = nested()
+    x = torch.randn(2, 5, 4)
+    # exported elsewhere: no record of the classes; `blocks` is never called
+    torch.export.save(torch.export.export(model, (x,), strict=False), tmp_path / "plain.pt2")
+    torch.jit.save(torch.jit.trace(model, (x,)), tmp_path / "traced.pt")
+    want = sorted(_eager_rows(model))
+    assert ("blocks", "ModuleList", sum(p.numel() for p in model.blocks.parameters())) in want
+    for name in ("plain.pt2", "traced.pt"):
+        r = runner.invoke(app, ["ls", str(tmp_path / name)])
+        assert r.exit_code == 0, r.output
+        assert sorted(_ls_rows(r.stdout)) == want, name
+
+
+def test_ls_of_an_exported_bert_matches_the_eager_model(bert_dir: Path) -> None:
+    from transformers import AutoModel
+
+    r = runner.invoke(app, ["export", str(bert_dir), "hello world", "-o", "b.pt2"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["ls", "b.pt2"])
+    assert r.exit_code == 0, r.output
+    model = AutoModel.from_pretrained(bert_dir)
+    assert sorted(_ls_rows(r.stdout)) == sorted(_eager_rows(model))
+
+
+def test_one_text_exports_a_dynamic_batch_that_two_texts_then_run(bert_dir: Path) -> None:
+    from transformers import AutoModel, AutoTokenizer
+
+    r = runner.invoke(app, ["export", str(bert_dir), "hello world", "-o", "one.pt2"])
+    assert r.exit_code == 0, r.output
+    assert "dynamic batch and sequence dims" in r.stderr
+    assert "specialized" not in r.output  # torch's own warning for a fixed dim
+    texts = ["hello world", "a second sentence about the model"]
+    r = runner.invoke(
+        app, ["dump", "one.pt2", *texts, "--tokenizer", str(bert_dir), "-o", "two.safetensors"]
+    )
+    assert r.exit_code == 0, r.output
+    got, _ = read_dump("two.safetensors")
+    model = AutoModel.from_pretrained(bert_dir).eval()
+    tok = AutoTokenizer.from_pretrained(bert_dir)
+    with torch.no_grad():
+        want = model(**tok(texts, padding=True, return_tensors="pt"))
+    for part in ("last_hidden_state", "pooler_output"):
+        torch.testing.assert_close(got[f"__root__:{part}"], want[part], atol=1e-6, rtol=1e-5)
+    # the archive keeps the example it was given: a batch of one
+    r = runner.invoke(app, ["dump", "one.pt2", "-o", "example.safetensors"])
+    assert r.exit_code == 0, r.output
+    assert read_dump("example.safetensors")[0]["__root__:last_hidden_state"].shape[0] == 1
+    # an archive's text is cut to --max-length as a model's is
+    r = runner.invoke(
+        app,
+        ["dump", "one.pt2", "the quick brown fox jumps over", "--tokenizer", str(bert_dir)]
+        + ["--max-length", "3", "-o", "cut.safetensors"],
+    )
+    assert r.exit_code == 0, r.output
+    assert read_dump("cut.safetensors")[0]["__root__:last_hidden_state"].shape[:2] == (1, 3)
+
+
+def test_export_names_the_dims_that_stayed_static(caplog: pytest.LogCaptureFixture) -> None:
+    from modeltap.capture.export import describe_shapes
+
+    model = nested()
+    one_token = export_program(model, (torch.randn(1, 1, 4),), {})
+    assert describe_shapes(one_token) == (
+        "dynamic batch dim; static x dim 1 (torch.export fixed the example's size)"
+    )
+    assert not [r for r in caplog.records if r.name.startswith("torch._export")]
+    assert describe_shapes(export_program(model, (torch.randn(1, 3, 4),), {})) == (
+        "dynamic batch and sequence dims"
+    )
+    assert describe_shapes(export_program(model, (torch.randn(2, 3, 4),), {}, dynamic=False)) == (
+        "static shapes"
+    )
+    with pytest.raises(InputError, match="torch.export fixed that dim to the example's size 1"):
+        flat_inputs(one_token, (torch.randn(1, 3, 4),), {})

@@ -182,3 +182,42 @@ def test_traced_minilm_dumps_the_eager_keys_exactly(minilm_dir: Path) -> None:
     eager, got, _ = _eager_and_traced(minilm_dir, texts, "m.pt")
     assert len(eager) == 114
     _assert_same(eager, got)
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+        return self.lin(x) * mask * scale
+
+
+def test_a_missing_input_is_named_with_what_the_archive_takes() -> None:
+    model = _Masked().eval()
+    x, mask = torch.randn(2, 3, 4), torch.ones(2, 3, 1)
+    save_traced(model, (), {"x": x, "mask": mask}, "traced.pt")
+    save_file({"x": x}, "x.safetensors")
+    r = runner.invoke(app, ["dump", "traced.pt", "--input-file", "x.safetensors", "-o", "t.st"])
+    assert r.exit_code == 2, r.output
+    line = r.stderr.strip()
+    assert line == (
+        "error: the TorchScript module in 'traced.pt' takes x, mask; mask is missing: give it "
+        "by name in --input-file (or TEXT with a --tokenizer that makes it)"
+    )
+    assert not Path("t.st").exists()
+
+
+def test_a_scripted_input_with_a_default_may_be_left_out() -> None:
+    torch.manual_seed(0)
+    model = _Masked().eval()
+    torch.jit.save(torch.jit.script(model), "scripted.pt")
+    x, mask = torch.randn(2, 3, 4), torch.rand(2, 3, 1)
+    save_file({"x": x, "mask": mask}, "xm.safetensors")
+    r = runner.invoke(app, ["dump", "scripted.pt", "--input-file", "xm.safetensors", "-o", "s.st"])
+    assert r.exit_code == 0, r.output
+    got, _ = read_dump("s.st")
+    xm = load_file("xm.safetensors")
+    lin = torch.nn.functional.linear(xm["x"], model.lin.weight, model.lin.bias)
+    torch.testing.assert_close(got["lin"], lin, atol=0, rtol=0)
+    torch.testing.assert_close(got["__root__"], lin * xm["mask"] * 2.0, atol=0, rtol=0)

@@ -35,6 +35,14 @@ if TYPE_CHECKING:
     from torch.export import ExportedProgram
 
 _CALL = re.compile(r"^(.*?)(?:@(\d+))?$")
+# Every module's class name, kept in a `.pt2` that `modeltap export` writes (torch.export's
+# extra files): the program names the classes of called modules only, not of a ModuleList.
+MODULES_FILE = "modeltap/modules.json"
+
+
+def module_classes(model: nn.Module) -> dict[str, str]:
+    """Dotted name (ROOT for the root) -> class name, for MODULES_FILE."""
+    return {(n or ROOT): type(m).__name__ for n, m in model.named_modules()}
 
 
 def export_program(
@@ -45,25 +53,94 @@ def export_program(
     dynamic: bool = True,
 ) -> ExportedProgram:
     """torch.export with every module's call signature preserved and, when `dynamic`, Dim.AUTO on
-    the batch and sequence dims (0 and 1) of every tensor input."""
+    the batch and sequence dims (0 and 1) of every tensor input.
+
+    torch.export fixes a dim whose example size is 0 or 1, so a batch of one is exported as the
+    same rows twice, and the program keeps the example inputs it was given. A dim torch still
+    fixes (a sequence of one token, a size the model's code depends on) stays static:
+    `dynamic_dims` says which stayed dynamic.
+    """
+    import logging
+
     import torch
 
     names = tuple(n for n, _ in model.named_modules() if n)
     was_training = model.training
     model.eval()
+    doubled = dynamic and _batch_of_one((args, kwargs))
+    traced_args, traced_kwargs = _doubled((args, kwargs)) if doubled else (args, kwargs)
+    # its warning for each fixed dim is what `dynamic_dims` reports, once
+    specialized = logging.getLogger("torch._export.non_strict_utils")
+    level = specialized.level
+    specialized.setLevel(logging.ERROR)
     try:
-        return torch.export.export(
+        program = torch.export.export(
             model,
-            args,
-            kwargs,
+            traced_args,
+            traced_kwargs,
             dynamic_shapes=_dynamic_shapes(model, args, kwargs) if dynamic else None,
             strict=False,
             preserve_module_call_signature=names,
         )
     except Exception as exc:  # export raises many kinds (UserError, GuardOnDataDependent...)
-        raise InputError(_export_failure(model, exc)) from exc
+        raise InputError(_export_failure(model, exc, dynamic)) from exc
     finally:
+        specialized.setLevel(level)
         model.train(was_training)
+    if doubled:
+        program.example_inputs = (tuple(args), dict(kwargs))
+    return program
+
+
+def _batch_of_one(inputs: Any) -> bool:
+    """Every tensor with a dim has a batch (dim 0) of 1."""
+    import torch
+    from torch.utils import _pytree
+
+    batched = [t for t in _pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim()]
+    return bool(batched) and all(t.shape[0] == 1 for t in batched)
+
+
+def _doubled(inputs: Any) -> Any:
+    """`inputs` with each tensor's batch of one given twice."""
+    import torch
+    from torch.utils import _pytree
+
+    return _pytree.tree_map(
+        lambda t: torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() else t, inputs
+    )
+
+
+def dynamic_dims(ep: ExportedProgram) -> dict[str, dict[int, bool]]:
+    """Each tensor input of the program -> its batch and sequence dims (0, 1) -> dynamic?"""
+    import torch
+
+    user = set(ep.graph_signature.user_inputs)
+    dims: dict[str, dict[int, bool]] = {}
+    for node in ep.graph.nodes:
+        fake = node.meta.get("val")
+        if node.op != "placeholder" or node.name not in user:
+            continue
+        if isinstance(fake, torch.Tensor) and fake.dim() >= 1:
+            dims[node.name] = {
+                d: isinstance(fake.shape[d], torch.SymInt) for d in range(min(2, fake.dim()))
+            }
+    return dims
+
+
+def describe_shapes(ep: ExportedProgram) -> str:
+    """`dynamic batch and sequence dims`, `static shapes`, and each dim torch.export fixed."""
+    dims = dynamic_dims(ep)
+    if not any(free for v in dims.values() for free in v.values()):
+        return "static shapes"
+    names = {0: "batch", 1: "sequence"}
+    free = [d for d in (0, 1) if any(d in v for v in dims.values())]
+    free = [names[d] for d in free if all(v.get(d, True) for v in dims.values())]
+    fixed = [f"{name} dim {d}" for name, v in dims.items() for d, ok in v.items() if not ok]
+    parts = [f"dynamic {' and '.join(free)} dim{'s' if len(free) > 1 else ''}"] if free else []
+    if fixed:
+        parts.append(f"static {', '.join(fixed)} (torch.export fixed the example's size)")
+    return "; ".join(parts)
 
 
 def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -91,7 +168,7 @@ def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     return shapes
 
 
-def _export_failure(model: nn.Module, exc: BaseException) -> str:
+def _export_failure(model: nn.Module, exc: BaseException, dynamic: bool = False) -> str:
     text = str(exc)
     name = type(model).__name__
     if "Cache" in text or "past_key_values" in text:
@@ -102,7 +179,9 @@ def _export_failure(model: nn.Module, exc: BaseException) -> str:
         fix = "export a part of it with a smaller --depth or another --model-class"
     else:
         cause = first_line(exc)
-        fix = "try another --model-class, use_cache=False, or a smaller --depth"
+        fix = "try another --model-class, use_cache=False, or a smaller --depth" + (
+            ", or --static" if dynamic else ""
+        )
     return f"torch.export can't export {name}: {cause}; {fix} (MODELTAP_DEBUG=1 shows why)"
 
 
@@ -134,9 +213,11 @@ def module_calls(ep: ExportedProgram) -> tuple[list[_Call], list[str]]:
     return calls, unsigned
 
 
-def module_names(ep: ExportedProgram) -> dict[str, str]:
-    """Every module of the program (calls and their parents) -> its class name where known."""
-    classes: dict[str, str] = {}
+def module_names(ep: ExportedProgram, recorded: dict[str, str] | None = None) -> dict[str, str]:
+    """Every module of the program (calls and their parents) -> its class name: from `recorded`
+    (MODULES_FILE) where given, else from the nodes' module stacks; a module never called is a
+    `ModuleList` when its children are numbered, else `Module`."""
+    classes: dict[str, str] = dict(recorded or {})
     for node in ep.graph.nodes:
         for path, cls in (node.meta.get("nn_module_stack") or {}).values():
             if "_empty_nn_module_stack" in path:
@@ -151,7 +232,20 @@ def module_names(ep: ExportedProgram) -> dict[str, str]:
             names.setdefault(fqn, classes.get(fqn, "Module"))
     for fqn, cls in classes.items():
         names.setdefault(fqn, cls)
+    for fqn in [n for n, cls in names.items() if cls == "Module" and n not in classes]:
+        children = [n.rpartition(".")[2] for n in names if n.rpartition(".")[0] == fqn]
+        if children and all(c.isdigit() for c in children):
+            names[fqn] = "ModuleList"
     return names
+
+
+def parameter_shapes(ep: ExportedProgram) -> dict[str, tuple[int, ...]]:
+    """The program's parameters (dotted names) -> shapes, for the module tree's counts."""
+    return {
+        name: tuple(ep.state_dict[name].shape)
+        for name in ep.graph_signature.parameters
+        if name in ep.state_dict
+    }
 
 
 def _stack_fqn(path: str) -> str | None:
@@ -170,9 +264,13 @@ def _class_name(cls: Any) -> str:
     return text.rsplit(".", 1)[-1].strip("'>")
 
 
-def skeleton(names: dict[str, str]) -> nn.Module:
+def skeleton(
+    names: dict[str, str], parameters: dict[str, tuple[int, ...]] | None = None
+) -> nn.Module:
     """An empty module tree with the program's module names and class names, for selection and
-    `ls` (each class is a plain nn.Module subclass named after the original)."""
+    `ls` (each class is a plain nn.Module subclass named after the original), with `parameters`
+    (dotted name -> shape) as meta tensors: sizes without memory, for `ls`'s counts."""
+    import torch
     from torch import nn
 
     class ArchiveModule(nn.Module):
@@ -191,6 +289,16 @@ def skeleton(names: dict[str, str]) -> nn.Module:
         parent_name, _, child = fqn.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
         parent.add_module(child, make(names[fqn]))
+    for name, shape in (parameters or {}).items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = root
+        for part in owner_name.split(".") if owner_name else []:
+            if not hasattr(owner, part):
+                owner.add_module(part, make("Module"))
+            owner = getattr(owner, part)
+        owner.register_parameter(
+            attr, nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
+        )
     return root
 
 
@@ -218,6 +326,7 @@ def flat_inputs(ep: ExportedProgram, args: tuple[Any, ...], kwargs: dict[str, An
         )
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     user = placeholders[len(placeholders) - len(flat) :]
+    dynamic = any(free for dims in dynamic_dims(ep).values() for free in dims.values())
     for node, value in zip(user, flat, strict=True):
         fake = node.meta.get("val")
         if not isinstance(value, torch.Tensor) or not isinstance(fake, torch.Tensor):
@@ -227,6 +336,13 @@ def flat_inputs(ep: ExportedProgram, args: tuple[Any, ...], kwargs: dict[str, An
                 f"input '{node.name}' has {value.dim()} dims, the program takes {fake.dim()}"
             )
         for d, (want, got) in enumerate(zip(fake.shape, value.shape, strict=True)):
+            if isinstance(want, int) and want != got and dynamic:
+                raise InputError(
+                    f"input '{node.name}' has size {got} in dim {d}, but torch.export fixed that "
+                    f"dim to the example's size {want} (it does for sizes 0 and 1, and for sizes "
+                    "the model's code depends on); give inputs of that size there, or re-export "
+                    "from an example of another size"
+                )
             if isinstance(want, int) and want != got:
                 raise InputError(
                     f"input '{node.name}' has size {got} in dim {d}, but the program was "

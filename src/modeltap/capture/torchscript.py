@@ -77,16 +77,18 @@ class _Resolver:
         return prefix
 
 
-def script_skeleton(script: Any) -> Any:
+def script_skeleton(script: Any, *, parameters: bool = False) -> Any:
     """An empty module tree with the ScriptModule's names and original class names (a loaded
-    ScriptModule reports every module as RecursiveScriptModule)."""
+    ScriptModule reports every module as RecursiveScriptModule); with `parameters`, its
+    parameters' shapes as meta tensors, for `ls`'s counts."""
     from modeltap.capture.export import skeleton
 
     return skeleton(
         {
             (n or ROOT): getattr(m, "original_name", type(m).__name__)
             for n, m in script.named_modules()
-        }
+        },
+        {n: tuple(p.shape) for n, p in script.named_parameters()} if parameters else None,
     )
 
 
@@ -254,7 +256,7 @@ class TorchScriptBackend:
             graph.registerOutput(value)
         graph.makeMultiOutputIntoTuple()
         function = torch._C._create_function_from_graph("modeltap_forward", graph)
-        flat = _positional(graph, args, kwargs, self.source)
+        flat = _positional(script, args, kwargs, self.source)
         if seed is not None:
             torch.manual_seed(seed)
         start = time.perf_counter()
@@ -290,25 +292,33 @@ class TorchScriptBackend:
         return BackendRun(recorder, details, [m for m in modules if m not in called], output)
 
 
-def _positional(graph: Any, args: tuple[Any, ...], kwargs: dict[str, Any], source: str) -> list:
-    """Named inputs placed by the graph's input names (`input_ids.1` -> `input_ids`)."""
-    params = [re.sub(r"\.\d+$", "", v.debugName()) for v in list(graph.inputs())[1:]]
-    flat = list(args)
-    rest = params[len(args) :]
-    unknown = set(kwargs) - set(rest)
+def _positional(script: Any, args: tuple[Any, ...], kwargs: dict[str, Any], source: str) -> list:
+    """The module's inputs in forward's order: named inputs placed by forward's argument names,
+    a missing one that has a default (a scripted module's) given its default. The function
+    built from the graph has no defaults, and its own error for a missing input prints its whole
+    declaration, a Tensor for every extra output."""
+    params = list(script.forward.schema.arguments)[1:]  # after self
+    names = [p.name for p in params]
+    takes = f"the TorchScript module in '{source}' takes {', '.join(names) or 'no inputs'}"
+    if len(args) > len(params):
+        raise InputError(f"{takes}; got {len(args)} inputs by position")
+    unknown = sorted(set(kwargs) - set(names[len(args) :]))
     if unknown:
-        raise InputError(
-            f"input '{sorted(unknown)[0]}' is not an input of the TorchScript module in "
-            f"'{source}'; its inputs are: {', '.join(params)}"
-        )
-    for name in rest:
-        if name in kwargs:
-            flat.append(kwargs[name])
+        raise InputError(f"{takes}; '{unknown[0]}' is not one of them (or given twice)")
+    flat = list(args)
+    missing = []
+    for param in params[len(args) :]:
+        if param.name in kwargs:
+            flat.append(kwargs[param.name])
+        elif param.has_default_value():
+            flat.append(param.default_value)
         else:
-            break
-    if len(flat) < len(args) + len(kwargs):
+            missing.append(param.name)
+    if missing:
+        one = len(missing) == 1
         raise InputError(
-            f"give the TorchScript module's inputs in order ({', '.join(params)}); "
-            "a name was skipped"
+            f"{takes}; {', '.join(missing)} {'is' if one else 'are'} missing: give "
+            f"{'it' if one else 'them'} by name in --input-file (or TEXT with a --tokenizer "
+            f"that makes {'it' if one else 'them'})"
         )
     return flat

@@ -15,7 +15,7 @@ from rich.console import Console
 from typer.core import TyperCommand
 
 from modeltap.config import Settings, load_settings
-from modeltap.errors import ModeltapError
+from modeltap.errors import InputError, ModeltapError
 
 # typer vendors click; its usage error is the base of the public typer.BadParameter.
 UsageError = typer.BadParameter.__mro__[1]
@@ -196,3 +196,22 @@ def write_atomically(path: Path, text: str) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def given(**flags: Any) -> list[str]:
+    """The command-line flags among `flags` (parameter name -> value, None when absent), as
+    `--flag-name` (`--no-flag-name` for a switch turned off): for refusing an option that cannot
+    apply instead of ignoring it."""
+    return [
+        f"--{'no-' if value is False else ''}{name.replace('_', '-')}"
+        for name, value in flags.items()
+        if value is not None
+    ]
+
+
+def refuse(flags: list[str], why: str, fix: str = "drop {flags}") -> None:
+    """One error naming every flag that cannot apply: `--a and --b {why}; {fix}`, where `fix`
+    may name them again as `{flags}`."""
+    if flags:
+        names = " and ".join(flags)
+        raise InputError(f"{names} {why}; {fix.format(flags=names)}")

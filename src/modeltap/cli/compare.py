@@ -160,7 +160,7 @@ def compare_command(
     values = tolerance_values(s, atol=atol, rtol=rtol, preset=preset_name)
     overrides = [(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()]
     if junit is not None:
-        check_writable(junit)
+        check_writable(junit, "--junit")
     work = _out_dir(s.out_dir)
 
     report = _run(s, variant, Tolerance(**values), overrides, work)
@@ -213,6 +213,9 @@ def _out_dir(path: str | None) -> Path | None:
         raise InputError(f"--out-dir '{folder}' is a file; give a folder")
     if not folder.parent.is_dir():
         raise InputError(f"--out-dir: folder '{folder.parent}' does not exist; create it first")
+    from modeltap.dump import check_writable
+
+    check_writable(folder / REPORT_FILE, "--out-dir")
     folder.mkdir(exist_ok=True)
     return folder
 

@@ -86,7 +86,7 @@ def diff_command(
     )
     values = tolerance_values(s, atol=atol, rtol=rtol, preset=s.preset)
     if junit is not None:
-        check_writable(junit)
+        check_writable(junit, "--junit")
     overrides = [(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()]
     report = diff_dumps(
         a,

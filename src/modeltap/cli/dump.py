@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from modeltap.cli.app import app, handle_errors, settings, stderr
+from modeltap.cli.app import app, given, handle_errors, refuse, settings, stderr
 from modeltap.cli.options import (
     GRADIENTS,
     OUTPUT,
@@ -141,8 +141,76 @@ def dump(
         fullgraph=fullgraph,
         max_inflight_mb=max_inflight,
     )
+    refuse_unused(
+        s,
+        device=device,
+        device_map=device_map,
+        grads=s.grads,
+        revision=revision,
+        model_class=model_class,
+        allow_pickle=allow_pickle,
+        max_length=max_length,
+        tokenizer=tokenizer,
+    )
+    if not s.compile:
+        refuse(
+            given(compile_backend=compile_backend, fullgraph=fullgraph),
+            "can't apply without --compile",
+            "add --compile or drop {flags}",
+        )
+    if not s.grads:
+        refuse(
+            given(target=target, loss=loss, grad_output=grad_output, params=params),
+            "can't apply without --grads",
+            "add --grads or drop {flags}",
+        )
     # a command-line flag only: no config file or environment may turn it on
     run_dump(s, json_out=json_out, grads=s.grads, activations=True, allow_pickle=bool(allow_pickle))
+
+
+def refuse_unused(s: Settings, *, device: Any, device_map: Any, grads: bool, **flags: Any) -> None:
+    """Options that cannot apply to this run are errors before anything loads, not ignored
+    (each flag's value is the command line's, None when not given): --device with --device-map
+    (a config file's device is checked with the map in `_placement`); --max-length and
+    --tokenizer without TEXT; Hub options, --dtype and --device with an archive or a factory;
+    gradients or --compile with an archive; --allow-pickle with anything but a .pt2."""
+    if device is not None and device_map is not None:
+        raise InputError(
+            f"give --device {device.value} or --device-map {device_map.value}, not both"
+        )
+    if not s.texts:
+        refuse(given(max_length=flags.get("max_length")), "can't apply without TEXT")
+        if not (grads and s.loss == "mlm"):  # the tokenizer's mask token
+            refuse(given(tokenizer=flags.get("tokenizer")), "can't apply without TEXT")
+    if not s.model:
+        return
+    if _is_transformed(s.model):
+        refuse(
+            given(revision=flags.get("revision"), model_class=flags.get("model_class"))
+            + given(device_map=device_map),
+            f"can't apply to '{s.model}', an archive or a factory (they load Hugging Face models)",
+        )
+        if s.dtype != "float32" or s.device != "cpu":
+            raise InputError("archives and factories run on cpu in float32; drop --dtype/--device")
+    from modeltap.loading.archive import is_archive_path
+
+    if is_archive_path(s.model):  # checked again once loaded; a factory may give either
+        if grads:
+            raise InputError(f"gradients need the eager model; dump '{s.model}' without --grads")
+        if s.compile:
+            raise InputError("--compile runs an nn.Module; an archive runs as it is")
+    refuse_pickle_flag(s.model, flags.get("allow_pickle"))
+
+
+def refuse_pickle_flag(model: str, allow_pickle: bool | None) -> None:
+    """--allow-pickle (or --no-allow-pickle) only means something for a .pt2."""
+    from modeltap.loading.archive import PT2_SUFFIXES
+
+    if Path(model).suffix.lower() not in PT2_SUFFIXES:
+        refuse(
+            given(allow_pickle=allow_pickle),
+            f"can't apply to '{model}' (only a .pt2 archive is unpickled)",
+        )
 
 
 def run_dump(
@@ -434,7 +502,7 @@ def _load_transformed(s: Settings, allow_pickle: bool = False) -> tuple[Any, Any
                 "or give tensors with --input-file"
             )
         tok = load_tokenizer(s.tokenizer, trust_remote_code=s.trust_remote_code)
-        inputs_ = text_inputs(tok, s.texts)
+        inputs_ = text_inputs(tok, s.texts, max_length=s.max_length)
     elif s.input_file:
         inputs_ = file_inputs(s.input_file)
     elif example is not None:
@@ -454,14 +522,16 @@ def _module_tree(model_name: str, allow_pickle: bool = False) -> Any:
     if is_archive_path(model_name):
         path = Path(model_name)
         if archive_kind(path) is ArchiveKind.export:
-            from modeltap.capture.export import module_names, skeleton
-            from modeltap.loading.archive import load_pt2
+            from modeltap.capture.export import module_names, parameter_shapes, skeleton
+            from modeltap.loading.archive import load_pt2, pt2_module_classes
 
-            return skeleton(module_names(load_pt2(path, allow_pickle=allow_pickle)))
+            program = load_pt2(path, allow_pickle=allow_pickle)
+            names = module_names(program, pt2_module_classes(path))
+            return skeleton(names, parameter_shapes(program))
         from modeltap.capture.torchscript import script_skeleton
         from modeltap.loading.archive import load_torchscript
 
-        return script_skeleton(load_torchscript(path))
+        return script_skeleton(load_torchscript(path), parameters=True)
     from modeltap.loading.factory import load_factory
 
     return load_factory(model_name).module

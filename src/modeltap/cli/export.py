@@ -3,6 +3,7 @@ TorchScript trace (`.pt`) that keeps the record of every module's output structu
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -10,12 +11,12 @@ from typing import Annotated, Any
 
 import typer
 
-from modeltap.cli.app import app, handle_errors, settings, stderr
+from modeltap.cli.app import app, given, handle_errors, refuse, settings, stderr
 from modeltap.cli.options import (
     OUTPUT,
     ConfigOpt,
+    ExportModelArg,
     InputFileOpt,
-    ModelArg,
     ModelClassOpt,
     RevisionOpt,
     TextArg,
@@ -28,7 +29,7 @@ from modeltap.errors import InputError, first_line
 @app.command("export")
 @handle_errors
 def export(
-    model: ModelArg = None,
+    model: ExportModelArg = None,
     text: TextArg = None,
     input_file: InputFileOpt = None,
     out: Annotated[
@@ -46,7 +47,8 @@ def export(
         bool | None,
         typer.Option(
             "--dynamic/--static",
-            help="Dynamic batch and sequence dims (Dim.AUTO) [default: dynamic].",
+            help=".pt2: dynamic batch and sequence dims (a batch of one is exported as two, "
+            "so that it stays dynamic) [default: dynamic].",
             rich_help_panel=OUTPUT,
         ),
     ] = None,
@@ -73,20 +75,36 @@ def export(
     )
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
+    from modeltap.loading.archive import TORCHSCRIPT_SUFFIXES, is_archive_path
+
+    if is_archive_path(s.model):
+        raise InputError(
+            f"'{s.model}' is an archive already; export the Hugging Face model or the "
+            "pkg.module:factory it was made from"
+        )
     if s.texts and s.input_file:
         raise InputError("give TEXT or --input-file, not both")
     from modeltap.loading.factory import is_factory
 
     factory = is_factory(s.model)
+    if factory:
+        refuse(
+            given(revision=revision, model_class=model_class),
+            f"can't apply to '{s.model}', a factory (they load Hugging Face models)",
+        )
     if not s.texts and not s.input_file and not factory:
         raise InputError("torch.export traces one run: give TEXT or --input-file")
     path = Path(s.out) if s.out else Path(f"{Path(s.model.rstrip('/')).name or 'model'}.pt2")
-    from modeltap.loading.archive import TORCHSCRIPT_SUFFIXES
-
     traced = path.suffix in TORCHSCRIPT_SUFFIXES
     if path.suffix != ".pt2" and not traced:
         raise InputError(
             f"'{path}' must end in .pt2 (torch.export's archive) or .pt (a TorchScript trace)"
+        )
+    if traced:
+        refuse(
+            [] if dynamic is None else ["--dynamic" if dynamic else "--static"],
+            "can't apply to a TorchScript trace (its shapes are what the tracer saw)",
+            "drop {flags}, or write a .pt2",
         )
     from modeltap.dump import check_writable
 
@@ -116,6 +134,8 @@ def export(
         def trace(tmp: Path) -> list[str]:
             try:
                 return save_traced(net, inputs_.args, inputs_.kwargs, tmp)
+            except OSError:  # writing the archive, not tracing (a full disk is one line)
+                raise
             except Exception as exc:  # tracing raises many kinds
                 raise InputError(
                     f"torch.jit.trace can't trace {loaded.model_class}: {first_line(exc)}; "
@@ -138,11 +158,16 @@ def export(
 
     with err.status(f"exporting {loaded.model_class}"):
         program = export_program(net, inputs_.args, inputs_.kwargs, dynamic=s.dynamic)
-    _saved(path, lambda tmp: torch.export.save(program, str(tmp)))
+    from modeltap.capture.export import MODULES_FILE, describe_shapes, module_classes
+
+    classes = json.dumps(module_classes(net))
+    _saved(
+        path, lambda tmp: torch.export.save(program, str(tmp), extra_files={MODULES_FILE: classes})
+    )
     signatures = sum(1 for e in program.module_call_graph if e.signature is not None)
     err.print(
         f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {signatures} module signatures, "
-        f"{'dynamic' if s.dynamic else 'static'} shapes)"
+        f"{describe_shapes(program)})"
     )
 
 
@@ -150,6 +175,7 @@ def _saved(path: Path, save: Callable[[Path], Any]) -> Any:
     """`save(tmp)` into a hidden file beside `path`, moved into place only when it succeeded and
     removed on any failure. The name keeps `path`'s suffix: torch.export.save wants `.pt2`."""
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    path.parent.mkdir(parents=True, exist_ok=True)
     try:
         result = save(tmp)
         os.replace(tmp, path)

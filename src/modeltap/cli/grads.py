@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from modeltap.cli.app import app, handle_errors, settings
-from modeltap.cli.dump import run_dump
+from modeltap.cli.app import app, given, handle_errors, refuse, settings
+from modeltap.cli.dump import refuse_unused, run_dump
 from modeltap.cli.options import (
     OUTPUT,
     RUNNING,
@@ -129,4 +129,20 @@ def grads(
         max_memory=max_memory,
         offload_folder=str(offload_folder) if offload_folder else None,
     )
+    refuse_unused(
+        s,
+        device=device,
+        device_map=device_map,
+        grads=True,
+        revision=revision,
+        model_class=model_class,
+        max_length=max_length,
+        tokenizer=tokenizer,
+    )
+    if not s.jacobian_norm:
+        refuse(
+            given(probes=probes),
+            "can't apply without --jacobian-norm",
+            "add --jacobian-norm K or drop {flags}",
+        )
     run_dump(s, json_out=json_out, grads=True, activations=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from modeltap.cli.app import app, handle_errors, settings, stdout
+from modeltap.cli.app import app, given, handle_errors, refuse, settings, stdout
 from modeltap.cli.options import (
     AllowPickleOpt,
     ConfigOpt,
@@ -36,7 +36,8 @@ def list_modules(
     allow_pickle: AllowPickleOpt = None,
     config: ConfigOpt = None,
 ) -> None:
-    """List a model's modules as a tree, and where --device-map would put them; loads nothing."""
+    """List a model's modules as a tree, and where --device-map would put them; loads no
+    weights of a Hugging Face model."""
     s = settings(
         "ls",
         config,
@@ -53,15 +54,26 @@ def list_modules(
     )
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
-    from modeltap.cli.dump import _is_transformed, _module_tree
+    from modeltap.cli.dump import _is_transformed, _module_tree, refuse_pickle_flag
     from modeltap.loading import load_meta_model
     from modeltap.loading.placement import placement
     from modeltap.selection import Selection, select_modules
 
+    refuse_pickle_flag(s.model, allow_pickle)
     planned = placement(s.device_map, s.max_memory)
+    if planned is None:
+        refuse(
+            given(dtype=dtype),
+            "can't apply without --device-map (it sizes the weights to place)",
+            "add --device-map auto or drop {flags}",
+        )
     if _is_transformed(s.model):
         if planned is not None:
             raise InputError("--device-map is for Hugging Face models; an archive loads on the CPU")
+        refuse(
+            given(revision=revision, model_class=model_class, trust_remote_code=trust_remote_code),
+            f"can't apply to '{s.model}', an archive or a factory (they load Hugging Face models)",
+        )
         meta_model = _module_tree(s.model, bool(allow_pickle))
     else:
         meta_model, _ = load_meta_model(

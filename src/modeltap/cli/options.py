@@ -29,6 +29,13 @@ ModelArg = Annotated[
         metavar="MODEL",
     ),
 ]
+ExportModelArg = Annotated[
+    str | None,
+    typer.Argument(
+        help="Hugging Face model id or folder with config.json, or pkg.module:factory.",
+        metavar="MODEL",
+    ),
+]
 ConfigOpt = Annotated[
     Path | None,
     typer.Option(
@@ -131,7 +138,7 @@ StatsOnlyOpt = Annotated[
 TokenizerOpt = Annotated[
     str | None,
     typer.Option(
-        help="Tokenizer id or folder [default: the model's].",
+        help="Tokenizer id or folder [default: the model's; an archive or factory has none].",
         rich_help_panel=INPUTS,
         metavar="NAME",
     ),
@@ -362,5 +369,7 @@ MaxInflightOpt = Annotated[
         "--max-inflight",
         help="MiB of tensors copied but not yet written that the writer thread may hold "
         "(pinned for CUDA); the run waits when it is full; 0 writes inline [default: 32].",
+        metavar="MIB",
+        rich_help_panel=OUTPUT,
     ),
 ]

@@ -60,23 +60,40 @@ def write_target(path: Path) -> Path:
     return Path(os.path.realpath(path)) if path.is_symlink() else path
 
 
-def check_writable(path: Path) -> None:
-    """Fail before any work when the dump could not be written.
+def check_writable(path: Path, option: str = "-o/--out") -> None:
+    """Fail before any work (before a model loads) when `path` could not be written.
 
-    Missing folders are fine (the writer creates them); the nearest existing one must be a
-    writable folder.
+    Missing folders are fine: they are made now, a file is created in the last one and removed,
+    and the folders made are removed again (the writer makes them when it writes). Permission
+    bits alone do not tell (root may write anywhere by them, `/proc` refuses new folders).
+    `option` is the flag to name in the message.
     """
     path = write_target(path)
     if path.is_dir():
-        raise InputError(f"output '{path}' is a directory; give a file name with -o/--out")
+        raise InputError(f"output '{path}' is a directory; give a file name with {option}")
     parent = path.parent if str(path.parent) else Path(".")
+    missing: list[Path] = []
     existing = parent
     while not existing.exists() and existing != existing.parent:
+        missing.append(existing)
         existing = existing.parent
     if not existing.is_dir():
         raise InputError(f"output folder '{parent}' can't be made: '{existing}' is a file")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise InputError(f"output folder '{existing}' is not writable; change -o/--out")
+    made: list[Path] = []
+    try:
+        for folder in reversed(missing):
+            folder.mkdir()
+            made.append(folder)
+        probe = parent / f".modeltap-probe.{os.getpid()}.tmp"
+        probe.open("xb").close()
+        probe.unlink()
+    except OSError as exc:
+        state = "is not writable" if parent.exists() else "can't be made"
+        why = exc.strerror or type(exc).__name__
+        raise InputError(f"output folder '{parent}' {state} ({why}); change {option}") from None
+    finally:
+        for folder in reversed(made):
+            folder.rmdir()
 
 
 def temp_path(path: Path) -> Path:

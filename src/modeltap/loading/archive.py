@@ -188,6 +188,24 @@ def torchscript_outputs(path: str | Path) -> dict | None:
     return record
 
 
+def pt2_module_classes(path: str | Path) -> dict[str, str] | None:
+    """Every module's class name as `modeltap export` keeps it in a .pt2 (read from the zip,
+    nothing unpickled), or None for a program exported elsewhere."""
+    from modeltap.capture.export import MODULES_FILE
+
+    with zipfile.ZipFile(path) as z:
+        entry = next((n for n in z.namelist() if n.endswith(f"/extra/{MODULES_FILE}")), None)
+        if entry is None:
+            return None
+        try:
+            record = json.loads(z.read(entry))
+        except ValueError as exc:
+            raise InputError(f"'{Path(path).name}': unreadable {entry} ({exc}); re-export") from exc
+    if not isinstance(record, dict) or not all(isinstance(v, str) for v in record.values()):
+        raise InputError(f"'{Path(path).name}': {entry} is not a module record; re-export")
+    return record
+
+
 def example_inputs(program: Any) -> Any:
     """The inputs a .pt2 was exported with (loaded with weights_only=True), as Inputs, or None."""
     import torch
