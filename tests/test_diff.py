@@ -282,6 +282,25 @@ def test_preset_from_configs_and_overrides(tmp_path):
     assert result.exit_code == 2 and "did you mean 'bf16'" in result.stderr
 
 
+def test_a_cross_dtype_preset_compares_bfloat16_with_float32(tmp_path):
+    """--preset bf16 is for a bfloat16 run against a float32 one: values compared, not dtypes."""
+    ref = torch.linspace(-3, 3, 64)
+    low = ref.to(torch.bfloat16)
+    save_file({"x": low, "far": low + 1}, tmp_path / "bf16.safetensors")
+    save_file({"x": ref, "far": ref.clone()}, tmp_path / "ref.safetensors")
+    a, b = tmp_path / "bf16.safetensors", tmp_path / "ref.safetensors"
+    result = invoke(a, b, "--preset", "bf16", "--json")
+    pairs = {p["key"]: p for p in json.loads(result.stdout)["pairs"]}
+    assert {k: p["status"] for k, p in pairs.items()} == {"x": "ok", "far": "differs"}
+    want = (low.float() - ref).abs().max().item()  # bfloat16 rounding, computed here
+    assert pairs["x"]["max_abs"] == pytest.approx(want, rel=1e-6) and want > 0
+    assert result.exit_code == 1
+    statuses = json.loads(invoke(a, b, "--preset", "bf16", "--no-upcast", "--json").stdout)
+    assert {p["status"] for p in statuses["pairs"]} == {"dtype"}
+    assert {p["status"] for p in json.loads(invoke(a, b, "--preset", "fp32", "--json").stdout)[
+        "pairs"]} == {"dtype"}
+
+
 def test_different_inputs_are_a_warning(bert, ref, tmp_path):
     model, inputs = bert
     other = Inputs((), inputs.kwargs, {"texts": ["something else"]})
