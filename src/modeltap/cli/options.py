@@ -276,8 +276,9 @@ MapOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--map",
-        help="Rename A's keys to B's: OLD=NEW globs ('bert.*=*'); repeatable.",
-        metavar="OLD=NEW",
+        help="Rename A's keys to B's: OLD=NEW globs ('bert.*=*'), or a TOML/JSON file of "
+        "[keys] and [modules] renames; repeatable, the first matching rule wins.",
+        metavar="OLD=NEW|FILE",
         rich_help_panel=KEYS,
     ),
 ]
