@@ -112,3 +112,36 @@ def test_cache_dir_honours_modeltap_cache_then_xdg(
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_dir() == tmp_path / "home" / ".cache" / "modeltap"
+
+
+def test_a_hub_id_is_read_at_the_revision_its_cache_holds(
+    bert_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub.constants as constants
+
+    from tests.fixtures.hf import hf_cache
+
+    home = hf_cache(tmp_path / "hf", "org/tiny-bert", bert_dir, commit="a" * 40)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    first = runner.invoke(app, ["ls", "org/tiny-bert"])
+    assert first.exit_code == 0 and len(_entries()) == 1
+
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("built the tree instead of reading the cache")
+
+    monkeypatch.setattr("modeltap.loading.hf.load_meta_model", no_build)
+    assert runner.invoke(app, ["ls", "org/tiny-bert"]).output == first.output
+    # a new revision in the Hugging Face cache (main moved to it) is another entry
+    repo = home / "hub" / "models--org--tiny-bert"
+    newer = repo / "snapshots" / ("b" * 40)
+    shutil.copytree(repo / "snapshots" / ("a" * 40), newer, symlinks=False)
+    config = json.loads((newer / "config.json").read_text())
+    (newer / "config.json").unlink()
+    (newer / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    (repo / "refs" / "main").write_text("b" * 40)
+    with pytest.raises(AssertionError, match="built the tree"):
+        runner.invoke(app, ["ls", "org/tiny-bert"], catch_exceptions=False)
+    pinned = runner.invoke(app, ["ls", "org/tiny-bert", "--revision", "a" * 40])
+    assert pinned.output == first.output

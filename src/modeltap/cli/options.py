@@ -250,8 +250,8 @@ SeedOpt = Annotated[
 PresetOpt = Annotated[
     str | None,
     typer.Option(
-        help="Tolerances from configs/tolerances.toml: exact, fp32, tf32, bf16, fp16, compile, "
-        "cross-device.",
+        help="Tolerance preset shipped with modeltap: exact, fp32, tf32, bf16, fp16, compile, "
+        "cross-device (a tolerances.toml in $MODELTAP_CONFIGS or ./configs replaces them).",
         metavar="NAME",
         rich_help_panel=TOL,
     ),
