@@ -296,33 +296,37 @@ def test_traced_elsewhere_pairs_with_eager_across_output_structure(bert, bert_di
 def test_structural_pairing_needs_equal_shapes_and_one_positional_side(tmp_path):
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     h, p = torch.randn(2, 3), torch.randn(2)
-    save_file(
-        {
-            "__root__:last_hidden_state": h,
-            "__root__:pooler_output": p,
-            "short:0": torch.ones(4),
-            "named:x": torch.ones(2),
-        },
-        a,
-    )
-    save_file(
-        {
-            "__root__:1": p.clone(),  # file order is not the tuple's
-            "__root__:0": h.clone(),
-            "short": torch.ones(5),
-            "named:y": torch.ones(2),
-        },
-        b,
-    )
+    named = {
+        "__root__:pooler_output": p,  # the output's order, told by the recorded order below
+        "__root__:hidden": h,
+        "short:0": torch.ones(4),
+        "named:x": torch.ones(2),
+    }
+    meta = {"format": "modeltap", "format_version": "1", "order": json.dumps(list(named))}
+    save_file(named, a, metadata=meta)
+    positional = {
+        "__root__:1": h.clone(),
+        "__root__:0": p.clone(),
+        "short": torch.ones(5),
+        "named:y": torch.ones(2),
+    }
+    save_file(positional, b)
     report = diff_dumps(a, b)
     assert report.matches == [
-        ("__root__:last_hidden_state", "__root__:0", "structural"),
-        ("__root__:pooler_output", "__root__:1", "structural"),
+        ("__root__:pooler_output", "__root__:0", "structural"),
+        ("__root__:hidden", "__root__:1", "structural"),
     ]
     assert [p.status for p in report.pairs] == ["ok", "ok"]
     assert sorted(report.only_a) == ["named:x", "short:0"]
     assert sorted(report.only_b) == ["named:y", "short"]
     assert diff_dumps(a, b, structural=False).pairs == []
+    # without a recorded order, names are only sorted: several of them pair with nothing
+    save_file(named, a)
+    assert diff_dumps(a, b).matches == []
+    # one named part needs no order
+    save_file({"enc:last_hidden_state": h}, a)
+    save_file({"enc": h.clone()}, b)
+    assert diff_dumps(a, b).matches == [("enc:last_hidden_state", "enc", "structural")]
 
 
 def test_map_file_renames_modules_and_keys(tmp_path):

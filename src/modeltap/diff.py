@@ -393,6 +393,18 @@ def _positional(part: str) -> bool:
     return not part or bool(_POSITIONAL.match(part))
 
 
+def _in_output_order(dump: Dump, parts: list[tuple[str, str]]) -> tuple[bool, list[str]] | None:
+    """(positional?, the keys in the order of the module's output) of one module call's
+    (part, key) pairs; None when that order is unknown (names of a dump without a recorded
+    order are sorted as in the file)."""
+    if all(_positional(part) for part, _ in parts):
+        ordered = sorted(parts, key=lambda p: [int(i) for i in p[0].split(".") if i])
+        return True, [key for _, key in ordered]
+    if dump.order is None and len(parts) > 1:
+        return None
+    return False, [key for _, key in parts]
+
+
 def structural_matches(
     a: Dump, b: Dump, keys_a: Sequence[str], keys_b: Sequence[str], rules: Sequence[KeyRule] = ()
 ) -> dict[str, str]:
@@ -402,31 +414,29 @@ def structural_matches(
 
     Per module call (after `rules`), the unmatched parts of both sides pair in order when they are
     as many, one side is positional (bare or tuple indices, taken in index order; named parts in
-    the order the output held them) and every pair has the same shape; otherwise none do. Two
-    sides both named differently are a rename, for --map.
+    the order the output held them, which only a dump's recorded order tells: without it, a
+    named side pairs only a single part) and every pair has the same shape; otherwise none do.
+    Two sides both named differently are a rename, for --map.
     """
     from modeltap.capture.keys import split_key
 
-    def by_call(dump: Dump, keys: Sequence[str], rename: bool) -> dict[tuple, list[tuple]]:
-        groups: dict[tuple, list[tuple]] = {}
+    def by_call(keys: Sequence[str], rename: bool) -> dict[tuple[str, int], list[tuple[str, str]]]:
+        groups: dict[tuple[str, int], list[tuple[str, str]]] = {}
         for key in keys:
             module, call, part = split_key(apply_map(key, rules) if rename else key)
             groups.setdefault((module, call), []).append((part, key))
         return groups
 
-    groups_b = by_call(b, keys_b, False)
+    groups_b = by_call(keys_b, False)
     found: dict[str, str] = {}
-    for where, parts_a in by_call(a, keys_a, True).items():
+    for where, parts_a in by_call(keys_a, True).items():
         parts_b = groups_b.get(where, [])
         if not parts_b or len(parts_a) != len(parts_b):
             continue
-        sides = []
-        for parts in (parts_a, parts_b):
-            positional = all(_positional(part) for part, _ in parts)
-            if positional:
-                parts = sorted(parts, key=lambda p: [int(i) for i in p[0].split(".") if i])
-            sides.append((positional, [key for _, key in parts]))
-        (pos_a, ordered_a), (pos_b, ordered_b) = sides
+        side_a, side_b = _in_output_order(a, parts_a), _in_output_order(b, parts_b)
+        if side_a is None or side_b is None:
+            continue
+        (pos_a, ordered_a), (pos_b, ordered_b) = side_a, side_b
         if not (pos_a or pos_b):
             continue
         pairs = list(zip(ordered_a, ordered_b, strict=True))
