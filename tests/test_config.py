@@ -93,3 +93,14 @@ def test_files_read_at_run_time_come_from_the_package_not_the_checkout(tmp_path)
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "tolerances.toml").write_text("[bf16]\natol = 1.0\nrtol = 0.0\n")
     assert tolerance_preset("bf16", cwd=tmp_path) == {"atol": 1.0, "rtol": 0.0}
+
+
+def test_modeltap_configs_without_presets_is_an_error(tmp_path, monkeypatch):
+    from modeltap.config import tolerance_preset
+
+    (tmp_path / "mine").mkdir()
+    monkeypatch.setenv("MODELTAP_CONFIGS", str(tmp_path / "mine"))
+    with pytest.raises(InputError, match="holds no tolerances.toml; add one there or unset it"):
+        tolerance_preset("bf16", cwd=tmp_path)
+    (tmp_path / "mine" / "tolerances.toml").write_text("[bf16]\natol = 2.0\nrtol = 0.0\n")
+    assert tolerance_preset("bf16", cwd=tmp_path) == {"atol": 2.0, "rtol": 0.0}

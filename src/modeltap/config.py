@@ -278,6 +278,11 @@ def _presets(cwd: Path | None) -> tuple[dict[str, Any], str]:
         path = folder / TOLERANCE_FILE
         if path.is_file():
             return read_toml(path), str(path)
+    if os.environ.get("MODELTAP_CONFIGS"):  # asked for, so not silently the shipped ones
+        raise InputError(
+            f"MODELTAP_CONFIGS={os.environ['MODELTAP_CONFIGS']!r} holds no {TOLERANCE_FILE}; "
+            "add one there or unset it"
+        )
     shipped = shipped_presets()
     return tomllib.loads(shipped.read_text(encoding="utf-8")), f"modeltap's own {TOLERANCE_FILE}"
 
