@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -260,8 +261,10 @@ def startup(reps=5) -> dict[str, float]:
     from modeltap.loading import Inputs
     from modeltap.run import dump_model
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     with tempfile.TemporaryDirectory() as tmp:
+        # ls's tree cache: emptied before each first ls, which the second then reads
+        cache = Path(tmp) / "cache"
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "MODELTAP_CACHE": str(cache)}
         model, batch = minilm()
         a, b = Path(tmp) / "a.safetensors", Path(tmp) / "b.safetensors"
         for path in (a, b):
@@ -270,11 +273,14 @@ def startup(reps=5) -> dict[str, float]:
             "--help": ["--help"],
             "show (MiniLM dump)": ["show", str(a)],
             "diff (two MiniLM dumps)": ["diff", str(a), str(b)],
-            "ls (local MiniLM folder)": ["ls", str(MINILM)],
+            "ls (local MiniLM folder, first)": ["ls", str(MINILM)],
+            "ls (local MiniLM folder, second: cached tree)": ["ls", str(MINILM)],
         }
         times = {name: [] for name in commands}
         for _ in range(reps):
             for name, args in commands.items():
+                if name.startswith("ls") and "first" in name:
+                    shutil.rmtree(cache, ignore_errors=True)
                 start = time.perf_counter()
                 subprocess.run(
                     [sys.executable, "-m", "modeltap", *args], env=env, capture_output=True
@@ -342,7 +348,11 @@ def main() -> None:
     if args.workload or args.figure:
         return
     for name, seconds in startup(3 if args.quick else 5).items():
-        target = {"show (MiniLM dump)": 0.5, "diff (two MiniLM dumps)": 1.5}.get(name)
+        target = {
+            "show (MiniLM dump)": 0.5,
+            "diff (two MiniLM dumps)": 1.5,
+            "ls (local MiniLM folder, second: cached tree)": 1.0,
+        }.get(name)
         mark = (
             "" if target is None else f"<= {target} s: {'met' if seconds <= target else 'MISSED'}"
         )

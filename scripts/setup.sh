@@ -29,7 +29,7 @@ fi
 # The editable install is redone only when pyproject.toml changed since the last one.
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  step "installing modeltap (editable) with transformers, accelerate, pytest and ruff"
+  step "installing modeltap (editable) with transformers, accelerate, pytest, ruff and setuptools"
   pip install -e ".[dev,big]"
   echo "$want" > "$stamp"
 fi

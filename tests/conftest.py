@@ -27,10 +27,12 @@ def update_golden(request: pytest.FixtureRequest) -> bool:
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test runs in its own empty folder with no MODELTAP_* settings from outside."""
+    """Each test runs in its own empty folder with no MODELTAP_* settings from outside, and its
+    own cache (`modeltap ls` stores module trees there)."""
     for name in list(os.environ):
         if name.startswith("MODELTAP_"):
             monkeypatch.delenv(name)
+    monkeypatch.setenv("MODELTAP_CACHE", str(tmp_path / ".modeltap-cache"))
     monkeypatch.chdir(tmp_path)
 
 

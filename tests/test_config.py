@@ -56,20 +56,51 @@ def test_shipped_presets_load(tmp_path):
 
 
 def test_every_tolerance_preset_loads(tmp_path):
-    from modeltap.config import read_toml, tolerance_preset
+    import tomllib
 
-    configs = Path(__file__).resolve().parent.parent / "configs"
-    names = list(read_toml(configs / "tolerances.toml"))
+    from modeltap.config import PRESET_KEYS, read_preset, shipped_presets
+
+    names = list(tomllib.loads(shipped_presets().read_text(encoding="utf-8")))
     assert {"exact", "fp32", "tf32", "bf16", "fp16", "cross-device"} <= set(names)
-    assert tolerance_preset("exact", cwd=tmp_path) == {"atol": 0.0, "rtol": 0.0}
+    assert read_preset("exact", cwd=tmp_path) == {"atol": 0.0, "rtol": 0.0}
     for name in names:
-        assert (
-            {"atol", "rtol"}
-            <= set(tolerance_preset(name, cwd=tmp_path))
-            <= {
-                "atol",
-                "rtol",
-                "scaled_atol",
-                "min_cosine",
-            }
-        )
+        assert {"atol", "rtol"} <= set(read_preset(name, cwd=tmp_path)) <= set(PRESET_KEYS)
+    assert read_preset("bf16", cwd=tmp_path)["upcast"] is True
+    assert "upcast" not in read_preset("fp32", cwd=tmp_path)
+
+
+def test_configs_tolerances_is_the_shipped_file(tmp_path):
+    """configs/tolerances.toml is the copy users edit; the program reads the package's."""
+    from modeltap.config import shipped_presets
+
+    configs = Path(__file__).resolve().parent.parent / "configs" / "tolerances.toml"
+    assert configs.read_text() == shipped_presets().read_text(encoding="utf-8")
+
+
+def test_files_read_at_run_time_come_from_the_package_not_the_checkout(tmp_path):
+    """An installed wheel has no checkout: nothing may be found relative to the source tree."""
+    from importlib.resources import files
+
+    import modeltap
+    from modeltap.config import config_dirs, tolerance_preset
+
+    assert config_dirs(tmp_path) == [tmp_path / "configs"]  # not the checkout's configs/
+    package = Path(modeltap.__file__).parent
+    for source in package.rglob("*.py"):  # no path built from a module's own location
+        assert "__file__" not in source.read_text(), source
+    assert (files("modeltap") / "tolerances.toml").is_file()
+    assert tolerance_preset("bf16", cwd=tmp_path)["scaled_atol"] == 5e-2
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tolerances.toml").write_text("[bf16]\natol = 1.0\nrtol = 0.0\n")
+    assert tolerance_preset("bf16", cwd=tmp_path) == {"atol": 1.0, "rtol": 0.0}
+
+
+def test_modeltap_configs_without_presets_is_an_error(tmp_path, monkeypatch):
+    from modeltap.config import tolerance_preset
+
+    (tmp_path / "mine").mkdir()
+    monkeypatch.setenv("MODELTAP_CONFIGS", str(tmp_path / "mine"))
+    with pytest.raises(InputError, match="holds no tolerances.toml; add one there or unset it"):
+        tolerance_preset("bf16", cwd=tmp_path)
+    (tmp_path / "mine" / "tolerances.toml").write_text("[bf16]\natol = 2.0\nrtol = 0.0\n")
+    assert tolerance_preset("bf16", cwd=tmp_path) == {"atol": 2.0, "rtol": 0.0}

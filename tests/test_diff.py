@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from modeltap.cli import app
-from modeltap.diff import Tolerance, compare, diff_dumps
+from modeltap.diff import Tolerance, apply_map, compare, diff_dumps, parse_map
 from modeltap.loading import Inputs
 from modeltap.run import dump_model
 
@@ -246,6 +246,150 @@ def test_map_renames_across_a_prefix(tmp_path):
     assert report["only_a"] == [] and report["only_b"] == []
 
 
+def test_traced_elsewhere_pairs_with_eager_across_output_structure(bert, bert_dir, tmp_path):
+    """A plain torch.jit.trace keeps ModelOutputs and (tensor, None) tuples by position."""
+    model, inputs = bert
+    ids, mask = inputs.kwargs["input_ids"], inputs.kwargs["attention_mask"]
+    torch.jit.save(torch.jit.trace(model, (ids, mask), strict=False), tmp_path / "plain.pt")
+    save_file({"input_ids": ids, "attention_mask": mask}, tmp_path / "ids.safetensors")
+    traced = tmp_path / "traced.safetensors"
+    args = ["--input-file", str(tmp_path / "ids.safetensors"), "-o", str(traced)]
+    assert runner.invoke(app, ["dump", str(tmp_path / "plain.pt"), *args]).exit_code == 0
+    eager = dump_model(model, inputs, tmp_path / "eager.safetensors")
+
+    result = invoke(eager, traced, "--json", "--atol", "0", "--rtol", "0", "--junit", "r.xml")
+    report = json.loads(result.stdout)
+    assert result.exit_code == 0, result.output
+    assert report["only_a"] == [] and report["only_b"] == []
+    matches = {m["key"]: m["other"] for m in report["matches"]}
+    assert all(m["match"] == "structural" for m in report["matches"])
+    assert matches["encoder:last_hidden_state"] == "encoder"
+    assert matches["encoder.layer.0.attention.self:0"] == "encoder.layer.0.attention.self"
+    assert report["counts"]["structural"] == len(matches) == 5
+    # what B holds under each paired key is what the eager module returned, by its own hooks
+    seen = {}
+    hooks = [
+        m.register_forward_hook(lambda mod, i, o, name=name: seen.setdefault(name, o))
+        for name, m in model.named_modules()
+    ]
+    with torch.no_grad():
+        model(**inputs.kwargs)
+    for h in hooks:
+        h.remove()
+    with safe_open(str(traced), framework="pt") as f:
+        aliases = json.loads(f.metadata()["aliases"])
+        for key, other in matches.items():
+            module, _, part = key.partition(":")
+            want = (
+                seen[module].last_hidden_state if part == "last_hidden_state" else seen[module][0]
+            )
+            torch.testing.assert_close(
+                f.get_tensor(aliases.get(other, other)), want, atol=0, rtol=0
+            )
+    text = invoke(eager, traced).stdout
+    assert "5 keys paired across named and positional outputs" in " ".join(text.split())
+    case = next(c for c in ET.parse("r.xml").getroot() if c.find("properties") is not None)
+    props = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert props["match"] == "structural" and props["other"] == matches[case.get("name")]
+
+
+def test_structural_pairing_needs_equal_shapes_and_one_positional_side(tmp_path):
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    h, p = torch.randn(2, 3), torch.randn(2)
+    named = {
+        "__root__:pooler_output": p,  # the output's order, told by the recorded order below
+        "__root__:hidden": h,
+        "short:0": torch.ones(4),
+        "named:x": torch.ones(2),
+    }
+    meta = {"format": "modeltap", "format_version": "1", "order": json.dumps(list(named))}
+    save_file(named, a, metadata=meta)
+    positional = {
+        "__root__:1": h.clone(),
+        "__root__:0": p.clone(),
+        "short": torch.ones(5),
+        "named:y": torch.ones(2),
+    }
+    save_file(positional, b)
+    report = diff_dumps(a, b)
+    assert report.matches == [
+        ("__root__:pooler_output", "__root__:0", "structural"),
+        ("__root__:hidden", "__root__:1", "structural"),
+    ]
+    assert [p.status for p in report.pairs] == ["ok", "ok"]
+    assert sorted(report.only_a) == ["named:x", "short:0"]
+    assert sorted(report.only_b) == ["named:y", "short"]
+    assert diff_dumps(a, b, structural=False).pairs == []
+    # without a recorded order, names are only sorted: several of them pair with nothing
+    save_file(named, a)
+    assert diff_dumps(a, b).matches == []
+    # one named part needs no order
+    save_file({"enc:last_hidden_state": h}, a)
+    save_file({"enc": h.clone()}, b)
+    assert diff_dumps(a, b).matches == [("enc:last_hidden_state", "enc", "structural")]
+
+
+def test_map_file_renames_modules_and_keys(tmp_path):
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    x = torch.randn(3)
+    save_file({"bert.attn": x, "bert.attn.q": x + 1, "bert.attn@1:0": x + 2, "head:out": x + 3}, a)
+    save_file(
+        {
+            "model.attention": x,
+            "model.attention.q": x + 1,
+            "model.attention@1:0": x + 2,
+            "lm_head": x + 3,
+        },
+        b,
+    )
+    (tmp_path / "map.toml").write_text(
+        '# A -> B\n[keys]\n"head:*" = "lm_head"\n[modules]\n"bert.attn" = "model.attention"\n'
+    )
+    result = invoke(a, b, "--map", tmp_path / "map.toml", "--json")
+    report = json.loads(result.stdout)
+    assert result.exit_code == 0, result.output
+    assert report["only_a"] == [] and report["only_b"] == []
+    assert {m["key"]: m["other"] for m in report["matches"]} == {
+        "bert.attn": "model.attention",
+        "bert.attn.q": "model.attention.q",
+        "bert.attn@1:0": "model.attention@1:0",
+        "head:out": "lm_head",
+    }
+    assert {p["match"] for p in report["pairs"]} == {"mapped"}
+    assert "4 keys paired by --map" in invoke(a, b, "--map", tmp_path / "map.toml").stdout
+    # the same as JSON, with a glob over module names
+    (tmp_path / "map.json").write_text(
+        json.dumps({"modules": {"*.attn": "model.attention"}, "keys": {"head:out": "lm_head"}})
+    )
+    with_glob = diff_dumps(a, b, rename=[str(tmp_path / "map.json")])
+    assert not with_glob.only_a and not with_glob.only_b
+    # a module's `*` stays within one dotted name; its calls, parts and children follow it
+    (tmp_path / "prefix.json").write_text(json.dumps({"modules": {"b*": "model"}}))
+    rules = parse_map([str(tmp_path / "prefix.json")])
+    assert apply_map("bert.attn@1:0", rules) == "model.attn@1:0"
+    assert apply_map("bertx", rules) == "model" and apply_map("abert", rules) == "abert"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (None, "no --map file"),
+        ("[modules\n", "is not valid TOML"),
+        ("[renames]\na = 'b'\n", "holds tables [keys] and/or [modules] only"),
+        ("[keys]\na = 1\n", "[keys] maps names to names"),
+        ("[modules]\na = '*'\n", "has more '*' than"),
+    ],
+)
+def test_bad_map_files_exit_2_with_one_line(ref, tmp_path, text, message):
+    path = tmp_path / "map.toml"
+    if text is not None:
+        path.write_text(text)
+    result = invoke(ref, ref, "--map", path)
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert message in line and str(path) in line
+
+
 def test_junit_counts(ref, tmp_path):
     def change(t):
         t["embeddings.word_embeddings"] += 1.0
@@ -280,6 +424,26 @@ def test_preset_from_configs_and_overrides(tmp_path):
     assert invoke(a, b).exit_code == 0
     result = invoke(a, b, "--preset", "bf61")
     assert result.exit_code == 2 and "did you mean 'bf16'" in result.stderr
+
+
+def test_a_cross_dtype_preset_compares_bfloat16_with_float32(tmp_path):
+    """--preset bf16 is for a bfloat16 run against a float32 one: values compared, not dtypes."""
+    ref = torch.linspace(-3, 3, 64)
+    low = ref.to(torch.bfloat16)
+    save_file({"x": low, "far": low + 1}, tmp_path / "bf16.safetensors")
+    save_file({"x": ref, "far": ref.clone()}, tmp_path / "ref.safetensors")
+    a, b = tmp_path / "bf16.safetensors", tmp_path / "ref.safetensors"
+    result = invoke(a, b, "--preset", "bf16", "--json")
+    pairs = {p["key"]: p for p in json.loads(result.stdout)["pairs"]}
+    assert {k: p["status"] for k, p in pairs.items()} == {"x": "ok", "far": "differs"}
+    want = (low.float() - ref).abs().max().item()  # bfloat16 rounding, computed here
+    assert pairs["x"]["max_abs"] == pytest.approx(want, rel=1e-6) and want > 0
+    assert result.exit_code == 1
+    statuses = json.loads(invoke(a, b, "--preset", "bf16", "--no-upcast", "--json").stdout)
+    assert {p["status"] for p in statuses["pairs"]} == {"dtype"}
+    assert {
+        p["status"] for p in json.loads(invoke(a, b, "--preset", "fp32", "--json").stdout)["pairs"]
+    } == {"dtype"}
 
 
 def test_different_inputs_are_a_warning(bert, ref, tmp_path):

@@ -250,38 +250,59 @@ def load_settings(
 
 TOLERANCE_FILE = "tolerances.toml"
 TOLERANCE_KEYS = ("atol", "rtol", "scaled_atol", "min_cosine")
+# What a preset may hold besides tolerances: `upcast = true` for presets made to compare dtypes.
+PRESET_KEYS = (*TOLERANCE_KEYS, "upcast")
 
 
 def config_dirs(cwd: Path | None = None) -> list[Path]:
-    """Where presets are looked up: $MODELTAP_CONFIGS, ./configs, then the checkout's configs/."""
+    """Folders whose tolerances.toml replaces the shipped one: $MODELTAP_CONFIGS, ./configs."""
     dirs = []
     if os.environ.get("MODELTAP_CONFIGS"):
         dirs.append(Path(os.environ["MODELTAP_CONFIGS"]))
     dirs.append((cwd or Path.cwd()) / "configs")
-    dirs.append(Path(__file__).resolve().parents[2] / "configs")
     return dirs
 
 
-def tolerance_preset(name: str, cwd: Path | None = None) -> dict[str, float]:
-    """atol/rtol of preset `name` from the first configs/tolerances.toml found."""
+def shipped_presets() -> Any:
+    """The tolerances.toml inside the package (importlib.resources: a wheel, a zip or a checkout
+    alike), the one read when no folder of `config_dirs` holds one."""
+    from importlib.resources import files
+
+    return files("modeltap") / TOLERANCE_FILE
+
+
+def _presets(cwd: Path | None) -> tuple[dict[str, Any], str]:
+    """(the presets, where they came from): the first tolerances.toml of `config_dirs`, else the
+    shipped one."""
     for folder in config_dirs(cwd):
         path = folder / TOLERANCE_FILE
         if path.is_file():
-            presets = read_toml(path)
-            if name not in presets:
-                guess = suggest(name, presets)
-                hint = (
-                    f"did you mean '{guess}'?" if guess else "choose one of " + ", ".join(presets)
-                )
-                raise InputError(f"no tolerance preset '{name}' in {path}; {hint}")
-            values = _check(presets[name], f"{path} [{name}]")
-            if not set(values) <= set(TOLERANCE_KEYS):
-                raise InputError(
-                    f"{path} [{name}]: a preset holds only " + ", ".join(TOLERANCE_KEYS)
-                )
-            return values
-    where = ", ".join(str(d) for d in config_dirs(cwd))
-    raise InputError(f"no {TOLERANCE_FILE} found (looked in {where}); set MODELTAP_CONFIGS")
+            return read_toml(path), str(path)
+    if os.environ.get("MODELTAP_CONFIGS"):  # asked for, so not silently the shipped ones
+        raise InputError(
+            f"MODELTAP_CONFIGS={os.environ['MODELTAP_CONFIGS']!r} holds no {TOLERANCE_FILE}; "
+            "add one there or unset it"
+        )
+    shipped = shipped_presets()
+    return tomllib.loads(shipped.read_text(encoding="utf-8")), f"modeltap's own {TOLERANCE_FILE}"
+
+
+def read_preset(name: str, cwd: Path | None = None) -> dict[str, Any]:
+    """Every value of preset `name`: its tolerances and, if it says so, `upcast`."""
+    presets, where = _presets(cwd)
+    if name not in presets:
+        guess = suggest(name, presets)
+        hint = f"did you mean '{guess}'?" if guess else "choose one of " + ", ".join(presets)
+        raise InputError(f"no tolerance preset '{name}' in {where}; {hint}")
+    values = _check(presets[name], f"{where} [{name}]")
+    if not set(values) <= set(PRESET_KEYS):
+        raise InputError(f"{where} [{name}]: a preset holds only " + ", ".join(PRESET_KEYS))
+    return values
+
+
+def tolerance_preset(name: str, cwd: Path | None = None) -> dict[str, float]:
+    """atol/rtol (and scaled_atol, min_cosine when set) of preset `name`."""
+    return {k: v for k, v in read_preset(name, cwd).items() if k in TOLERANCE_KEYS}
 
 
 def tolerance_values(

@@ -91,6 +91,9 @@ class Pair:
     aliases: list[str] = field(default_factory=list)
     # max |a - b| / max |b|: the error on the tensor's own scale, comparable across modules
     max_scaled: float | None = None
+    # how `other` was found when it is not `key` itself: "mapped" (--map) or "structural" (the
+    # same module's output, named parts on one side and positional ones on the other)
+    match: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -119,6 +122,9 @@ class DiffReport:
     metadata: list[MetaChange]
     ordered: bool
     strict: bool = False
+    # (A's key, B's key, "mapped" or "structural") for every key paired other than by its name,
+    # aliases included (their pair is listed once, under the first key)
+    matches: list[tuple[str, str, str]] = field(default_factory=list)
 
     @property
     def failed(self) -> list[Pair]:
@@ -129,6 +135,10 @@ class DiffReport:
         """The earliest pair out of tolerance in execution order (None without a recorded order)."""
         failed = self.failed
         return failed[0] if failed and self.ordered else None
+
+    def matched(self, how: str) -> list[tuple[str, str]]:
+        """(A's key, B's key) of the keys paired `how`: "mapped" or "structural"."""
+        return [(a, b) for a, b, kind in self.matches if kind == how]
 
     @property
     def passed(self) -> bool:
@@ -150,35 +160,117 @@ class DiffReport:
                 "failed": len(self.failed),
                 "only_a": len(self.only_a),
                 "only_b": len(self.only_b),
+                "mapped": len(self.matched("mapped")),
+                "structural": len(self.matched("structural")),
             },
             "metadata": [asdict(m) for m in self.metadata],
             "pairs": [p.to_json() for p in self.pairs],
+            "matches": [{"key": a, "other": b, "match": how} for a, b, how in self.matches],
             "only_a": self.only_a,
             "only_b": self.only_b,
         }
 
 
-def parse_map(rules: Sequence[str]) -> list[tuple[re.Pattern[str], str]]:
-    """`OLD=NEW` glob renames (`bert.*=*`): each `*` of OLD feeds the matching `*` of NEW."""
-    parsed = []
+@dataclass(frozen=True)
+class KeyRule:
+    """One rename of A's names to B's: `*` in `old` feeds the matching `*` in `new`. A module
+    rule also renames everything under the module: its calls, output parts and children."""
+
+    pattern: re.Pattern[str]
+    new: str
+    module: bool = False
+
+    def apply(self, key: str) -> str | None:
+        match = self.pattern.match(key)
+        if match is None:
+            return None
+        groups = match.groups()
+        stars = groups[:-1] if self.module else groups
+        pieces = self.new.split("*")
+        filled = zip(stars, pieces[1:], strict=False)
+        renamed = pieces[0] + "".join(group + piece for group, piece in filled)
+        return renamed + groups[-1] if self.module else renamed
+
+
+def _rule(old: str, new: str, where: str, *, module: bool = False) -> KeyRule:
+    if not old:
+        raise InputError(f"{where}: an empty name can't be renamed")
+    if new.count("*") > old.count("*"):
+        raise InputError(f"{where}: '{new}' has more '*' than '{old}'")
+    star = "([^.:@]*)" if module else "(.*)"  # a module's `*` stays inside one dotted name
+    body = "".join(star if c == "*" else re.escape(c) for c in old)
+    tail = r"((?:[.@:].*)?)\Z" if module else r"\Z"
+    return KeyRule(re.compile(body + tail), new, module)
+
+
+MAP_SECTIONS = ("keys", "modules")
+
+
+def read_map_file(path: Path) -> list[KeyRule]:
+    """A mapping file, TOML or JSON (by suffix): `[keys]` renames keys (exact or `*` globs),
+    `[modules]` renames modules with all their keys; keys rules first, each table in file order."""
+    where = f"--map file '{path}'"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"can't read {where} ({exc.strerror}); check the path") from exc
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            from modeltap.config import tomllib
+
+            data = tomllib.loads(text)
+    except ValueError as exc:  # JSONDecodeError and TOMLDecodeError are ValueErrors
+        kind = "JSON" if path.suffix.lower() == ".json" else "TOML"
+        raise InputError(f"{where} is not valid {kind} ({exc}); fix it") from exc
+    example = 'e.g. [modules] "bert" = "model"'
+    if not isinstance(data, dict) or not data or not set(data) <= set(MAP_SECTIONS):
+        raise InputError(f"{where} holds tables [keys] and/or [modules] only; {example}")
+    rules = []
+    for section in MAP_SECTIONS:
+        table = data.get(section, {})
+        if not isinstance(table, dict) or not all(
+            isinstance(v, str) for v in table.values()
+        ):
+            raise InputError(f"{where}: [{section}] maps names to names (strings); {example}")
+        for old, new in table.items():
+            rules.append(_rule(old, new, f"{where} [{section}]", module=section == "modules"))
+    return rules
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a rule too long for a file name
+        return False
+
+
+def parse_map(rules: Sequence[str]) -> list[KeyRule]:
+    """Each entry is `OLD=NEW` (`bert.*=*`: each `*` of OLD feeds the matching `*` of NEW) or a
+    mapping file (`read_map_file`); the first rule that matches a name wins."""
+    parsed: list[KeyRule] = []
     for rule in rules:
         old, sep, new = rule.partition("=")
+        path = Path(rule)
+        if path.suffix.lower() in (".toml", ".json") or _is_file(path):
+            if not _is_file(path):
+                raise InputError(f"no --map file '{rule}'; check the path")
+            parsed.extend(read_map_file(path))
+            continue
         if not sep or not old:
-            raise InputError(f"--map '{rule}' is not OLD=NEW; e.g. --map 'bert.*=*'")
-        if new.count("*") > old.count("*"):
-            raise InputError(f"--map '{rule}': NEW has more '*' than OLD")
-        pattern = re.compile("".join("(.*)" if c == "*" else re.escape(c) for c in old) + r"\Z")
-        parsed.append((pattern, new))
+            raise InputError(
+                f"--map '{rule}' is neither OLD=NEW nor a mapping file; e.g. --map 'bert.*=*'"
+            )
+        parsed.append(_rule(old, new, f"--map '{rule}'"))
     return parsed
 
 
-def apply_map(key: str, rules: Sequence[tuple[re.Pattern[str], str]]) -> str:
-    for pattern, new in rules:
-        match = pattern.match(key)
-        if match:
-            pieces = new.split("*")
-            filled = zip(match.groups(), pieces[1:], strict=False)
-            return pieces[0] + "".join(group + piece for group, piece in filled)
+def apply_map(key: str, rules: Sequence[KeyRule]) -> str:
+    for rule in rules:
+        renamed = rule.apply(key)
+        if renamed is not None:
+            return renamed
     return key
 
 
@@ -211,10 +303,14 @@ def diff_dumps(
     equal_nan: bool = False,
     upcast: bool = False,
     strict: bool = False,
+    structural: bool = True,
 ) -> DiffReport:
     """Compare every tensor of `a` with its match in `b` (B is the reference for rtol).
 
-    `overrides` are (glob, Tolerance) pairs on A's keys; the first match wins over `tolerance`.
+    A key's match is the key of B that `rename` (`parse_map` rules) makes of it; with
+    `structural`, keys still unmatched are paired across an output structure that differs
+    (`structural_matches`). `overrides` are (glob, Tolerance) pairs on A's keys; the first match
+    wins over `tolerance`.
     """
     da = a if isinstance(a, Dump) else load_dump(a)
     db = b if isinstance(b, Dump) else load_dump(b)
@@ -237,17 +333,24 @@ def diff_dumps(
     keys_a = [k for k in da.keys() if _selected(k, include, exclude)]
     mapped = {k: apply_map(k, rules) for k in keys_a}
     keys_b = set(db.keys())
-    matched_b = {mapped[k] for k in keys_a if mapped[k] in keys_b}
-    only_a = [k for k in keys_a if mapped[k] not in keys_b]
+    partner = {k: (m, "mapped" if m != k else None) for k, m in mapped.items() if m in keys_b}
+    if structural:
+        taken = {other for other, _ in partner.values()}
+        unmatched_b = [k for k in db.keys() if k not in taken]
+        unmatched_a = [k for k in keys_a if k not in partner]
+        found = structural_matches(da, db, unmatched_a, unmatched_b, rules)
+        partner.update({k: (other, "structural") for k, other in found.items()})
+    matched_b = {other for other, _ in partner.values()}
+    only_a = [k for k in keys_a if k not in partner]
     only_b = [k for k in db.keys() if k not in matched_b and _selected(k, include, exclude)]
 
     pairs: list[Pair] = []
     done: dict[tuple[str, str], Pair] = {}
     buffers = _Buffers()
     for key in keys_a:
-        other = mapped[key]
-        if other not in keys_b:
+        if key not in partner:
             continue
+        other, how = partner[key]
         stored = (da.resolve(key), db.resolve(other))
         if stored in done:  # an alias on both sides: the same comparison, said once
             done[stored].aliases.append(key)
@@ -272,10 +375,74 @@ def diff_dumps(
             buffers=buffers,
             dtypes=dtypes,
         )
+        pair.match = how
         done[stored] = pair
         pairs.append(pair)
     ordered = da.order is not None
-    return DiffReport(da.path, db.path, tolerance, pairs, only_a, only_b, changes, ordered, strict)
+    matches = [(k, *partner[k]) for k in keys_a if k in partner and partner[k][1]]
+    return DiffReport(
+        da.path, db.path, tolerance, pairs, only_a, only_b, changes, ordered, strict, matches
+    )
+
+
+_POSITIONAL = re.compile(r"\d+(?:\.\d+)*\Z")
+
+
+def _positional(part: str) -> bool:
+    """A bare key or a part made of tuple indices: an output known by position, not by name."""
+    return not part or bool(_POSITIONAL.match(part))
+
+
+def _in_output_order(dump: Dump, parts: list[tuple[str, str]]) -> tuple[bool, list[str]] | None:
+    """(positional?, the keys in the order of the module's output) of one module call's
+    (part, key) pairs; None when that order is unknown (names of a dump without a recorded
+    order are sorted as in the file)."""
+    if all(_positional(part) for part, _ in parts):
+        ordered = sorted(parts, key=lambda p: [int(i) for i in p[0].split(".") if i])
+        return True, [key for _, key in ordered]
+    if dump.order is None and len(parts) > 1:
+        return None
+    return False, [key for _, key in parts]
+
+
+def structural_matches(
+    a: Dump, b: Dump, keys_a: Sequence[str], keys_b: Sequence[str], rules: Sequence[KeyRule] = ()
+) -> dict[str, str]:
+    """Pairs of keys (A's to B's) for one module's output kept by name on one side and by
+    position on the other: a traced graph returns a ModelOutput as a tuple (`:last_hidden_state`
+    against `:0`), or a (tensor, None) pair as the bare tensor (`:0` against the bare key).
+
+    Per module call (after `rules`), the unmatched parts of both sides pair in order when they are
+    as many, one side is positional (bare or tuple indices, taken in index order; named parts in
+    the order the output held them, which only a dump's recorded order tells: without it, a
+    named side pairs only a single part) and every pair has the same shape; otherwise none do.
+    Two sides both named differently are a rename, for --map.
+    """
+    from modeltap.capture.keys import split_key
+
+    def by_call(keys: Sequence[str], rename: bool) -> dict[tuple[str, int], list[tuple[str, str]]]:
+        groups: dict[tuple[str, int], list[tuple[str, str]]] = {}
+        for key in keys:
+            module, call, part = split_key(apply_map(key, rules) if rename else key)
+            groups.setdefault((module, call), []).append((part, key))
+        return groups
+
+    groups_b = by_call(keys_b, False)
+    found: dict[str, str] = {}
+    for where, parts_a in by_call(keys_a, True).items():
+        parts_b = groups_b.get(where, [])
+        if not parts_b or len(parts_a) != len(parts_b):
+            continue
+        side_a, side_b = _in_output_order(a, parts_a), _in_output_order(b, parts_b)
+        if side_a is None or side_b is None:
+            continue
+        (pos_a, ordered_a), (pos_b, ordered_b) = side_a, side_b
+        if not (pos_a or pos_b):
+            continue
+        pairs = list(zip(ordered_a, ordered_b, strict=True))
+        if all(a.shape(x) is not None and a.shape(x) == b.shape(y) for x, y in pairs):
+            found.update(pairs)
+    return found
 
 
 class _Buffers:
@@ -551,6 +718,10 @@ def junit_xml(
         case = ET.SubElement(
             suite, "testcase", classname=pair.key.split(":")[0], name=pair.key, time="0"
         )
+        if pair.match:  # B's key, and how it was found
+            props = ET.SubElement(case, "properties")
+            ET.SubElement(props, "property", name="other", value=pair.other)
+            ET.SubElement(props, "property", name="match", value=pair.match)
         if not pair.ok:
             failures += 1
             message = failure_message(pair) + (f"; {notes[pair.key]}" if pair.key in notes else "")

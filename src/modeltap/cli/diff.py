@@ -51,7 +51,8 @@ def diff_command(
         bool | None,
         typer.Option(
             "--upcast/--no-upcast",
-            help="Compare tensors of different dtypes, in float32 when both fit, else float64.",
+            help="Compare tensors of different dtypes, in float32 when both fit, else float64 "
+            "[default: off; on with a preset that says upcast, as bf16 and fp16].",
             rich_help_panel=TOL,
         ),
     ] = None,
@@ -69,7 +70,7 @@ def diff_command(
     config: ConfigOpt = None,
 ) -> None:
     """Compare two dumps; exit 0 when every tensor is within tolerance, 1 when not."""
-    from modeltap.config import tolerance_values
+    from modeltap.config import read_preset, tolerance_values
     from modeltap.diff import Tolerance, diff_dumps, junit_xml
     from modeltap.dump import check_writable
 
@@ -85,6 +86,8 @@ def diff_command(
         strict=strict,
     )
     values = tolerance_values(s, atol=atol, rtol=rtol, preset=s.preset)
+    if upcast is None and s.preset and read_preset(s.preset).get("upcast"):
+        s.upcast = True  # a preset made for comparing across dtypes; --no-upcast still wins
     if junit is not None:
         check_writable(junit, "--junit")
     overrides = [(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()]

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import typer
+
 from modeltap.cli.app import app, given, handle_errors, refuse, settings, stdout
 from modeltap.cli.options import (
     AllowPickleOpt,
@@ -35,6 +39,15 @@ def list_modules(
     dtype: DTypeOpt = None,
     allow_pickle: AllowPickleOpt = None,
     config: ConfigOpt = None,
+    no_cache: Annotated[
+        bool,
+        typer.Option(
+            "--no-cache",
+            help="Build the tree with torch and transformers instead of reading it from the "
+            "cache of earlier runs ($MODELTAP_CACHE, else $XDG_CACHE_HOME/modeltap or "
+            "~/.cache/modeltap), and leave the cache as it is.",
+        ),
+    ] = False,
 ) -> None:
     """List a model's modules as a tree, and where --device-map would put them; loads no
     weights of a Hugging Face model."""
@@ -55,7 +68,6 @@ def list_modules(
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
     from modeltap.cli.dump import _is_transformed, _module_tree, refuse_pickle_flag
-    from modeltap.loading import load_meta_model
     from modeltap.loading.placement import placement
     from modeltap.selection import Selection, select_modules
 
@@ -67,6 +79,24 @@ def list_modules(
             "can't apply without --device-map (it sizes the weights to place)",
             "add --device-map auto or drop {flags}",
         )
+    if planned is None and not _is_transformed(s.model):
+        # a Hugging Face model's tree comes from the cache when an earlier run stored it
+        from modeltap.loading.tree_cache import module_tree
+        from modeltap.render import module_table
+        from modeltap.selection import select_names
+
+        modules = module_tree(
+            s.model,
+            revision=s.revision,
+            model_class_name=s.model_class,
+            trust_remote_code=s.trust_remote_code,
+            use_cache=not no_cache,
+        )
+        names = select_names(
+            [m.name for m in modules], Selection(s.depth, tuple(s.include), tuple(s.exclude))
+        )
+        stdout().print(module_table(modules, names))
+        return
     if _is_transformed(s.model):
         if planned is not None:
             raise InputError("--device-map is for Hugging Face models; an archive loads on the CPU")
@@ -76,6 +106,8 @@ def list_modules(
         )
         meta_model = _module_tree(s.model, bool(allow_pickle))
     else:
+        from modeltap.loading import load_meta_model
+
         meta_model, _ = load_meta_model(
             s.model,
             revision=s.revision,

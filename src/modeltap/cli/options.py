@@ -257,8 +257,8 @@ SeedOpt = Annotated[
 PresetOpt = Annotated[
     str | None,
     typer.Option(
-        help="Tolerances from configs/tolerances.toml: exact, fp32, tf32, bf16, fp16, compile, "
-        "cross-device.",
+        help="Tolerance preset shipped with modeltap: exact, fp32, tf32, bf16, fp16, compile, "
+        "cross-device (a tolerances.toml in $MODELTAP_CONFIGS or ./configs replaces them).",
         metavar="NAME",
         rich_help_panel=TOL,
     ),
@@ -283,8 +283,9 @@ MapOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--map",
-        help="Rename A's keys to B's: OLD=NEW globs ('bert.*=*'); repeatable.",
-        metavar="OLD=NEW",
+        help="Rename A's keys to B's: OLD=NEW globs ('bert.*=*'), or a TOML/JSON file of "
+        "[keys] and [modules] renames; repeatable, the first matching rule wins.",
+        metavar="OLD=NEW|FILE",
         rich_help_panel=KEYS,
     ),
 ]

@@ -152,6 +152,12 @@ class Dump:
             flat = (flat.astype(np.uint32) << 16).view(np.float32)
         return flat.reshape(info["shape"]), name
 
+    def shape(self, key: str) -> list[int] | None:
+        """The shape of `key`'s tensor from the file's header, no data read (None when unknown)."""
+        mapping = self._mapping()
+        info = mapping[2].get(self.resolve(key)) if mapping is not None else None
+        return list(info["shape"]) if info else None
+
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for key in self.keys():
             if self.resolve(key) in self.stored:

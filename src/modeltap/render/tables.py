@@ -53,6 +53,15 @@ def diff_heading(report: DiffReport) -> Text:
         text.append(f", {len(report.only_a)} only in A, {len(report.only_b)} only in B")
         if report.strict:
             text.append(" (--strict)")
+    mapped, structural = report.matched("mapped"), report.matched("structural")
+    if mapped:
+        text.append(f"\n{len(mapped)} keys paired by --map, e.g. {_arrow(mapped[0])}")
+    if structural:
+        text.append(
+            f"\n{len(structural)} keys paired across named and positional outputs of the same "
+            f"module (same shapes), e.g. {_arrow(structural[0])}",
+            style="yellow",
+        )
     first = report.first_divergence
     if first is not None:
         downstream = len(report.failed) - 1
@@ -72,6 +81,10 @@ def diff_heading(report: DiffReport) -> Text:
             style="yellow",
         )
     return text
+
+
+def _arrow(match: tuple[str, str]) -> str:
+    return f"{match[0]} → {match[1]}"
 
 
 def _diff_summary(pair: DiffPair) -> str:

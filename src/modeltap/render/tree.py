@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from modeltap.dump import Dump
+    from modeltap.loading.tree_cache import ModuleInfo
     from modeltap.stats import TensorStats
 
 # A unit share at or above this many dead units is shown in the warning colour.
@@ -335,20 +336,24 @@ def dump_json(dump: Dump) -> dict[str, Any]:
     return out
 
 
-def module_table(model: nn.Module, names: Sequence[str]) -> Table:
-    """`modeltap ls`: the selected modules as a tree, with class and parameter count."""
-    by_name = {(n or ROOT): m for n, m in model.named_modules()}
+def module_table(modules: nn.Module | Sequence[ModuleInfo], names: Sequence[str]) -> Table:
+    """`modeltap ls`: the selected modules as a tree, with class and parameter count; of a
+    model, or of its modules as `loading.tree_cache` keeps them."""
+    if not isinstance(modules, Sequence):
+        from modeltap.loading.tree_cache import module_infos
+
+        modules = module_infos(modules)
+    by_name = {m.name: m for m in modules}
     table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
     table.add_column("module", no_wrap=True, overflow="ellipsis")
     table.add_column("class")
     table.add_column("params", justify="right")
     for label, key in _walk(_module_tree(list(names)), None, ""):
-        module = by_name[key] if key is not None else None
-        if module is None:
+        info = by_name[key] if key is not None else None
+        if info is None:
             table.add_row(label)
             continue
-        params = sum(p.numel() for p in module.parameters())
-        table.add_row(label, type(module).__name__, f"{params:,}")
+        table.add_row(label, info.cls, f"{info.params:,}")
     return table
 
 
