@@ -153,17 +153,25 @@ def compare_command(
             )
         raise InputError("nothing to run on; give TEXT or --input-file")
     preset_name = s.preset or _default_preset(DEFAULT_PRESET[variant.kind])
-    from modeltap.config import tolerance_values
+    from modeltap.compare import Options
+    from modeltap.config import accumulated_allowance, tolerance_values
     from modeltap.diff import Tolerance
     from modeltap.dump import check_writable
 
     values = tolerance_values(s, atol=atol, rtol=rtol, preset=preset_name)
-    overrides = [(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()]
+    options = Options(
+        tolerance=Tolerance(**values),
+        overrides=[(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()],
+        accumulated_scaled_atol=accumulated_allowance(s, preset_name),
+        equal_nan=s.equal_nan,
+        train_mode=s.train_mode,
+        seed=s.seed,
+    )
     if junit is not None:
         check_writable(junit)
     work = _out_dir(s.out_dir)
 
-    report = _run(s, variant, Tolerance(**values), overrides, work)
+    report = _run(s, variant, options, work)
     report.preset = preset_name
     if work is not None:
         write_atomically(work / REPORT_FILE, json.dumps(report.to_json(), indent=1))
@@ -217,11 +225,12 @@ def _out_dir(path: str | None) -> Path | None:
     return folder
 
 
-def _run(s: Settings, variant: Any, tolerance: Any, overrides: Any, work: Path | None) -> Any:
+def _run(s: Settings, variant: Any, options: Any, work: Path | None) -> Any:
+    import dataclasses
     import tempfile
 
     from modeltap.cli.dump import _load_with_inputs, _run_metadata
-    from modeltap.compare import Options, compare_models, make_candidate
+    from modeltap.compare import compare_models, make_candidate
     from modeltap.compare.variants import compute_dtype, model_device
     from modeltap.loading import load_model
     from modeltap.selection import Selection, select_modules
@@ -251,14 +260,8 @@ def _run(s: Settings, variant: Any, tolerance: Any, overrides: Any, work: Path |
         with err.status(f"{variant.backend} of the modules at --depth {s.depth}"):
             note = transform(variant.backend, candidate, loaded.model, inputs, s.depth)
         rename += COMPILED_RENAME if variant.backend == "compile" else ()
-    options = Options(
-        tolerance=tolerance,
-        overrides=overrides,
-        rename=rename,
-        replay_depth=s.depth if variant.backend else None,
-        equal_nan=s.equal_nan,
-        train_mode=s.train_mode,
-        seed=s.seed,
+    options = dataclasses.replace(
+        options, rename=rename, replay_depth=s.depth if variant.backend else None
     )
     ref_meta = _run_metadata(s, loaded)
     cand_meta = {
