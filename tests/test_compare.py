@@ -340,6 +340,49 @@ def test_checkpoints_differing_in_one_layer(bert_dir, tmp_path):
     assert report["counts"]["inherited"] > 0  # the pooler, at least
 
 
+def build_other_bert(folder: Path, **changes) -> Path:
+    """hf.build_bert's tiny BERT with some of its config changed."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = dict(
+        vocab_size=120,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    BertModel(BertConfig(**{**config, **changes})).eval().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("changes", "first"),
+    [
+        (
+            {"hidden_size": 48},
+            "'embeddings.word_embeddings.weight' is [120, 48] in it, [120, 32] in '",
+        ),
+        ({"num_hidden_layers": 3}, "it has a module 'encoder.layer.2' that"),
+        ({"num_hidden_layers": 1}, "module 'encoder.layer.1' has no counterpart in it"),
+    ],
+)
+def test_another_architecture_is_refused(bert_dir, tmp_path, changes, first):
+    """Issue #23: MiniLM against bert-base ran, and reported 9 origins and 51 replay errors."""
+    other = build_other_bert(tmp_path / "other", **changes)
+    result = invoke(bert_dir, other, *TEXTS)
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    message = result.stderr.strip()
+    assert "\n" not in message and "Traceback" not in message
+    assert message.startswith(f"error: '{other}' is not the architecture of '{bert_dir}': ")
+    assert first in message
+    # With --against too: the second checkpoint's variant is no more its architecture.
+    with_variant = invoke(bert_dir, other, *TEXTS, "--against", "bf16")
+    assert with_variant.exit_code == 2 and first in with_variant.stderr
+
+
 def test_out_dir_keeps_dumps_that_diff_reads_the_same(bert6, bert6_fault, tmp_path):
     out = tmp_path / "run"
     junit = tmp_path / "r.xml"

@@ -249,6 +249,12 @@ def _run(s: Settings, variant: Any, options: Any, work: Path | None) -> Any:
                 device=s.device,
                 trust_remote_code=s.trust_remote_code,
             )
+        if other is not None:
+            from modeltap.compare.variants import check_same_architecture
+
+            check_same_architecture(
+                loaded.model, other.model, s.map, (s.model or "", s.candidate or "")
+            )
         base = loaded.model if other is None else other.model
         candidate = make_candidate(base, variant, shared=shared)
     inputs = _no_cache(loaded.model, inputs, s.use_cache)
