@@ -263,6 +263,28 @@ def test_eager_attention_passes_minilm(minilm_dir, monkeypatch):
     )
 
 
+def test_a_variant_that_changes_nothing_is_said_so(bert_dir):
+    """Issue #23: a PASS with nothing differing said "largest local error 0 in pooler.dense"."""
+    result = invoke(bert_dir, *TEXTS, "--against", "fp32")
+    assert result.exit_code == 0, result.output
+    assert "largest" not in result.stdout
+    assert "no local error: every output equal bit for bit" in result.stdout
+    assert "no cumulative error: every output equal bit for bit" in result.stdout
+    assert "warning: --against fp32 changes nothing: the model already runs float32" in (
+        " ".join(result.stdout.split())
+    )
+    report = json.loads(invoke(bert_dir, *TEXTS, "--against", "fp32", "--json").stdout)
+    assert len(report["warnings"]) == 1 and "changes nothing" in report["warnings"][0]
+    assert all(m["local_error"] in (0.0, None) for m in report["modules"])
+    # Every module has the same keys, note and replay_note null when there is none.
+    assert {frozenset(m) for m in report["modules"]} == {frozenset(report["modules"][0])}
+    assert {"note", "replay_note"} <= set(report["modules"][0])
+    assert report["modules"][0]["note"] is None
+    # A variant that changes something has no warning.
+    other = json.loads(invoke(bert_dir, *TEXTS, "--against", "bf16", "--json").stdout)
+    assert other["warnings"] == []
+
+
 def wrong_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """Eager attention with a softmax at 1.5x the temperature it should have."""
     from transformers.models.bert.modeling_bert import eager_attention_forward

@@ -290,6 +290,11 @@ def _run(s: Settings, variant: Any, options: Any, work: Path | None) -> Any:
                 metadata=(ref_meta, cand_meta),
             )
     report.replay_note = note
+    if shared:
+        from modeltap.compare.variants import unchanged
+
+        warning = unchanged(loaded.model, candidate, variant)
+        report.warnings += [warning] if warning else []
     report.reference = {**ref_meta, "model_class": loaded.model_class}
     report.candidate = {**cand_meta, "model_class": type(candidate).__name__}
     return report

@@ -52,7 +52,7 @@ from modeltap.compare.shortcut import (
     rebuild,
     versions,
 )
-from modeltap.compare.variants import compute_dtype, model_device
+from modeltap.compare.variants import attn_impl, compute_dtype, model_device
 from modeltap.diff import (
     DiffReport,
     Pair,
@@ -374,7 +374,7 @@ class _Replayer:
         # Attention masks are built by the model in its attention implementation's format
         # (sdpa: boolean, eager: additive). A candidate with another implementation gets the
         # reference's masks in the additive form, which every implementation reads.
-        self.additive_masks = _attn_impl(reference) != _attn_impl(root)
+        self.additive_masks = attn_impl(reference) != attn_impl(root)
 
     def within_depth(self, name: str) -> bool:
         depth = self.options.replay_depth
@@ -580,10 +580,6 @@ def _module_dtype_device(module: nn.Module) -> tuple[Any, Any] | None:
         if tensor.is_floating_point():
             return tensor.dtype, tensor.device
     return None
-
-
-def _attn_impl(model: nn.Module) -> str | None:
-    return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
 def _cast(value: Any, dtype: Any, device: Any, additive_masks: bool = False) -> Any:

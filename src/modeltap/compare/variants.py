@@ -173,6 +173,27 @@ def check_same_architecture(
         raise refuse(f"it has a module '{extra}' that '{ref_name}' lacks")
 
 
+def unchanged(reference: nn.Module, candidate: nn.Module, variant: Variant) -> str | None:
+    """A warning when `--against` built a candidate that computes as the reference does (the
+    dtype, device and attention implementation it already has): every error is then 0."""
+    if variant.backend:
+        return None
+    ours = (compute_dtype(reference), model_device(reference), attn_impl(reference))
+    if (compute_dtype(candidate), model_device(candidate), attn_impl(candidate)) != ours:
+        return None
+    dtype, device, attn = ours
+    how = f"{str(dtype).removeprefix('torch.')} on {device}" + (
+        f", {attn} attention" if attn else ""
+    )
+    return (
+        f"--against {variant.label} changes nothing: the model already runs {how}; every error is 0"
+    )
+
+
+def attn_impl(model: nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
 def compute_dtype(model: nn.Module) -> torch.dtype:
     """The dtype a model computes in: that of its first floating parameter (float32 if none)."""
     import torch

@@ -414,6 +414,8 @@ def compare_heading(report: Any) -> Text:
         text.append(label, style="bold")
     text.append(f" ({cand.get('dtype', '?')}, {cand.get('device', '?')})\n")
     local, cumulative = report.tolerance, report.cumulative.tolerance
+    for warning in report.warnings:
+        text.append(f"warning: {warning}\n", style="yellow")
     text.append(f"tolerance {report.preset or ''}: {local.describe()}\n")
     if cumulative != local:
         widened = f"scaled_atol={cumulative.scaled_atol:g}"
