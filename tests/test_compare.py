@@ -462,6 +462,37 @@ def test_errors_are_one_clean_line(bert_dir, args, message):
     assert message in result.stderr and "Traceback" not in result.output
 
 
+def test_help_says_what_compare_takes():
+    """Issue #23: --help offered archives and factories, and diff's --atol/--rtol defaults."""
+    text = " ".join(runner.invoke(app, ["compare", "--help"], terminal_width=80).stdout.split())
+    assert "pkg.module:factory" not in text and "not a .pt2 or .pt archive, nor a factory" in text
+    assert "1e-8" not in text and "1e-5" not in text
+    assert text.count("wins over the preset's [default: the preset's]") == 2
+    assert "[default: bf16 or fp16 for those variants, cross-device for cuda" in text
+    assert "Rename the candidate's module names to MODEL's" in text
+    assert "With --out-dir: the dumps kept there hold statistics only" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["pkg.module:factory", "hi", "--against", "bf16"], "MODEL 'pkg.module:factory' is an"),
+        (["model.pt2", "hi", "--against", "bf16"], "MODEL 'model.pt2' is an archive or a factory"),
+        (["BERT", "model.pt2", "hi"], "CANDIDATE 'model.pt2' is an archive or a factory"),
+        (["BERT", "hi", "--against", "bf16", "--stats-only"], "give --out-dir DIR"),
+    ],
+)
+def test_what_compare_cannot_take_is_refused(bert_dir, tmp_path, args, message):
+    (tmp_path / "model.pt2").write_bytes(b"")
+    args = [str(bert_dir) if a == "BERT" else a for a in args]
+    args = [str(tmp_path / a) if a == "model.pt2" else a for a in args]
+    message = message.replace("'model.pt2'", f"'{tmp_path / 'model.pt2'}'")
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_against_cuda(bert_dir):
     result = invoke(bert_dir, *TEXTS, "--against", "cuda", "--json")

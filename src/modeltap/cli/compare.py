@@ -10,9 +10,10 @@ import typer
 
 from modeltap.cli.app import app, handle_errors, settings, stderr, stdout, write_atomically
 from modeltap.cli.options import (
+    KEYS,
     OUTPUT,
     RUNNING,
-    AtolOpt,
+    TOL,
     ConfigOpt,
     DepthOpt,
     DeviceOpt,
@@ -23,13 +24,8 @@ from modeltap.cli.options import (
     InputFileOpt,
     JsonOpt,
     JunitOpt,
-    MapOpt,
-    ModelArg,
     ModelClassOpt,
-    PresetOpt,
     RevisionOpt,
-    RtolOpt,
-    StatsOnlyOpt,
     TokenizerOpt,
     TrainModeOpt,
     TrustOpt,
@@ -38,6 +34,61 @@ from modeltap.config import Settings
 from modeltap.errors import InputError
 
 REPORT_FILE = "report.json"
+
+# compare's own wording of shared options: its models are replayed module by module in Python,
+# its tolerance defaults to a preset chosen by the variant, and --map renames the candidate's.
+ModelArg = Annotated[
+    str | None,
+    typer.Argument(
+        help="Hugging Face model id or folder with config.json (its modules are replayed in "
+        "Python: not a .pt2 or .pt archive, nor a factory).",
+        metavar="MODEL",
+        show_default=False,
+    ),
+]
+PresetOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Tolerances from configs/tolerances.toml [default: bf16 or fp16 for those "
+        "variants, cross-device for cuda, compile for compile, else fp32].",
+        metavar="NAME",
+        rich_help_panel=TOL,
+    ),
+]
+AtolOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Absolute tolerance; wins over the preset's [default: the preset's].",
+        metavar="X",
+        rich_help_panel=TOL,
+    ),
+]
+RtolOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Relative tolerance; wins over the preset's [default: the preset's].",
+        metavar="X",
+        rich_help_panel=TOL,
+    ),
+]
+MapOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--map",
+        help="Rename the candidate's module names to MODEL's: OLD=NEW globs ('bert.*=*'); "
+        "repeatable.",
+        metavar="OLD=NEW",
+        rich_help_panel=KEYS,
+    ),
+]
+StatsOnlyOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--stats-only/--with-tensors",
+        help="With --out-dir: the dumps kept there hold statistics only.",
+        rich_help_panel=OUTPUT,
+    ),
+]
 
 
 @app.command("compare")
@@ -141,6 +192,11 @@ def compare_command(
     variant = parse_against(s.against)
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
+    _check_replayable(s.model, "MODEL")
+    if s.candidate is not None:
+        _check_replayable(s.candidate, "CANDIDATE")
+    if stats_only and not s.out_dir:
+        raise InputError("--stats-only applies to the dumps --out-dir keeps; give --out-dir DIR")
     if s.candidate is None and s.against is None:
         raise InputError("nothing to compare with; give a CANDIDATE model or --against bf16, ...")
     if s.texts and s.input_file:
@@ -200,6 +256,17 @@ def compare_command(
             f"wrote {work}/: candidate.safetensors, reference.safetensors, {REPORT_FILE}"
         )
     raise typer.Exit(0 if report.passed else 1)
+
+
+def _check_replayable(model: str, what: str) -> None:
+    from modeltap.cli.dump import _is_transformed
+
+    if _is_transformed(model):
+        raise InputError(
+            f"{what} '{model}' is an archive or a factory; compare replays a transformers "
+            "model's modules, so give a Hugging Face id or a folder with config.json (or dump "
+            "each model and `modeltap diff` the dumps)"
+        )
 
 
 def _split_positionals(s: Settings, rest: list[str]) -> None:
