@@ -500,6 +500,29 @@ def test_against_cuda(bert_dir):
     assert json.loads(result.stdout)["candidate"]["device"].startswith("cuda")
 
 
+def test_accumulated_allowance_comes_from_the_preset(tmp_path, monkeypatch):
+    from modeltap.config import Settings, accumulated_allowance, tolerance_values
+
+    monkeypatch.delenv("MODELTAP_CONFIGS", raising=False)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tolerances.toml").write_text(
+        "[a]\natol = 1e-5\nrtol = 0.0\naccumulated_scaled_atol = 3e-4\n"
+        "[b]\natol = 0.0\nrtol = 0.0\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    s = Settings(accumulated_scaled_atol=2e-5)
+    assert accumulated_allowance(s, "a") == 3e-4
+    assert accumulated_allowance(s, "b") == 2e-5  # the preset has none: the settings'
+    # diff's tolerance never holds it: a Tolerance has no such field
+    assert "accumulated_scaled_atol" not in tolerance_values(s, preset="a")
+    assert Tolerance(**tolerance_values(s, preset="a")).atol == 1e-5
+    # and it widens only cumulative errors, to at least that scaled_atol
+    options = Options(tolerance=Tolerance(atol=1e-5, rtol=0.0), accumulated_scaled_atol=3e-4)
+    assert options.accumulated(options.tolerance) == Tolerance(1e-5, 0.0, scaled_atol=3e-4)
+    wide = Tolerance(atol=0.0, rtol=0.0, scaled_atol=0.05)
+    assert options.accumulated(wide) == wide
+
+
 def test_scale_relative_tolerance():
     """|a - b| <= atol + rtol |b| + scaled_atol max|b|, and a floor on the cosine."""
     b = torch.tensor([100.0, 1.0, 0.0, -50.0])

@@ -71,5 +71,6 @@ def test_every_tolerance_preset_loads(tmp_path):
                 "rtol",
                 "scaled_atol",
                 "min_cosine",
+                "accumulated_scaled_atol",
             }
         )
