@@ -362,6 +362,40 @@ def test_checkpoints_differing_in_one_layer(bert_dir, tmp_path):
     assert report["counts"]["inherited"] > 0  # the pooler, at least
 
 
+def test_an_error_from_outside_the_selection_fails_with_no_origin(bert_dir, tmp_path):
+    """Only encoder.layer.1 is selected; layer 0 differs. Layer 1's own code is exact, so there
+    is no origin, but its output carries more than rounding: FAIL, and the heading says why."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(bert_dir).eval()
+    with torch.no_grad():
+        model.encoder.layer[0].output.dense.weight.mul_(1.2)
+    model.save_pretrained(tmp_path / "other")
+    result = invoke(bert_dir, tmp_path / "other", *TEXTS, "--include", "encoder.layer.1", "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert report["origins"] == [] and report["inherited"] == ["encoder.layer.1"]
+    (layer,) = report["modules"]
+    # Its cumulative error, from plain transformers: both models, their own hooks.
+    outs = []
+    for folder in (tmp_path / "other", bert_dir):
+        seen = {}
+        plain = AutoModel.from_pretrained(folder).eval()
+        plain.encoder.layer[1].register_forward_hook(
+            lambda mod, args, out, seen=seen: seen.setdefault(
+                "out", out[0] if isinstance(out, tuple) else out
+            )
+        )
+        with torch.no_grad():
+            plain(**batch(bert_dir))
+        outs.append(seen["out"])
+    expected = float((outs[0] - outs[1]).abs().max() / outs[1].abs().max())
+    assert expected > 2 * report["accumulated_tolerance"]["scaled_atol"]
+    assert layer["cumulative_error"] == pytest.approx(expected, rel=1e-4)
+    heading = invoke(bert_dir, tmp_path / "other", *TEXTS, "--include", "encoder.layer.1")
+    assert "no origin: every module's own error is within tolerance, yet the" in heading.stdout
+
+
 def build_other_bert(folder: Path, **changes) -> Path:
     """hf.build_bert's tiny BERT with some of its config changed."""
     from transformers import BertConfig, BertModel
