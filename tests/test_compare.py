@@ -100,7 +100,9 @@ def bert6(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bert6_fault(bert6, tmp_path_factory):
-    return with_fault(bert6, tmp_path_factory.mktemp("bert6-fault"), 1.01)[0]
+    # +10%: this random model passes on little of a 1% row's error (about 1e-4 of max |b| after
+    # the fault, within fp32's allowance for accumulated rounding); trained MiniLM passes 2e-3.
+    return with_fault(bert6, tmp_path_factory.mktemp("bert6-fault"), 1.10)[0]
 
 
 def check_fault_report(report: dict, expected: float) -> None:
@@ -128,7 +130,7 @@ def test_fault_in_tiny_bert_is_the_only_origin(bert6, bert6_fault):
     result = invoke(bert6, bert6_fault, *TEXTS, "--json")
     assert result.exit_code == 1, result.output
     report = json.loads(result.stdout)
-    assert report["schema"] == "modeltap.compare/2"
+    assert report["schema"] == "modeltap.compare/3"
     check_fault_report(report, expected_local_error(bert6, bert6_fault))
     table = invoke(bert6, bert6_fault, *TEXTS)
     assert table.exit_code == 1
@@ -161,6 +163,126 @@ def test_bf16_preset_passes_minilm_and_catches_a_fault(minilm_dir, tmp_path):
     report = json.loads(result.stdout)
     assert report["candidate"]["dtype"] == "bfloat16"
     assert [o["module"] for o in report["origins"]] == [FAULTY]
+
+
+# The sentences of issue #23: MiniLM's sdpa and eager attention differ by 1.6e-5 somewhere,
+# beyond fp32's atol of 1e-5, by rounding passed on from module to module.
+ISSUE_TEXTS = ["hello world", "a second, longer sentence"]
+
+
+def sdpa_vs_eager_error(folder: Path, texts: list[str]) -> float:
+    """Plain transformers: max |eager - sdpa| / max |sdpa| of the last hidden state."""
+    from transformers import AutoModel, AutoTokenizer
+
+    inputs = AutoTokenizer.from_pretrained(folder)(texts, return_tensors="pt", padding=True)
+    outs = []
+    for impl in ("sdpa", "eager"):
+        model = AutoModel.from_pretrained(folder, attn_implementation=impl).eval()
+        with torch.no_grad():
+            outs.append(model(**inputs).last_hidden_state)
+    sdpa, eager = outs
+    return float((eager - sdpa).abs().max() / sdpa.abs().max())
+
+
+def with_row_fault(monkeypatch, module: str, row: tuple[int, int]) -> None:
+    """Candidates built by the CLI get +1% on one row of `module`'s output (a forward hook)."""
+    import modeltap.compare
+
+    build = modeltap.compare.make_candidate
+
+    def faulty(*args, **kwargs):
+        candidate = build(*args, **kwargs)
+
+        def hook(mod, inputs, out):
+            out = out.clone()
+            out[row] *= 1.01
+            return out
+
+        candidate.get_submodule(module).register_forward_hook(hook)
+        return candidate
+
+    monkeypatch.setattr(modeltap.compare, "make_candidate", faulty)
+
+
+def row_fault_error(folder: Path, texts: list[str], module: str, row: tuple[int, int]) -> float:
+    """Plain torch: 1% of that row of the module's output, over max |output|."""
+    from transformers import AutoModel, AutoTokenizer
+
+    model = AutoModel.from_pretrained(folder).eval()
+    inputs = AutoTokenizer.from_pretrained(folder)(texts, return_tensors="pt", padding=True)
+    seen = {}
+    handle = model.get_submodule(module).register_forward_hook(
+        lambda mod, args, out: seen.setdefault("out", out)
+    )
+    with torch.no_grad():
+        model(**inputs)
+    handle.remove()
+    out = seen["out"]
+    return float((out[row] * 1.01 - out[row]).abs().max() / out.abs().max())
+
+
+def check_eager_verdicts(folder: Path, texts: list[str], module: str, monkeypatch) -> None:
+    """attn:eager passes a healthy model (exit 0); +1% on one row of `module` fails (exit 1),
+    with `module` as the only origin."""
+    healthy = invoke(folder, *texts, "--against", "attn:eager", "--json")
+    assert healthy.exit_code == 0, healthy.output
+    report = json.loads(healthy.stdout)
+    assert report["passed"] and not report["origins"] and report["first_divergence"] is None
+    assert report["preset"] == "fp32" and report["inherited"] == []
+    assert report["tolerance"]["scaled_atol"] == 0.0
+    assert report["accumulated_tolerance"]["scaled_atol"] == 1e-4
+    # The run really differs: its root's cumulative error is the one plain transformers finds.
+    root = next(m for m in report["modules"] if m["module"] == "__root__")
+    assert root["cumulative_error"] == pytest.approx(sdpa_vs_eager_error(folder, texts), rel=1e-3)
+    assert root["cumulative_error"] > 0
+
+    row = (0, 1)
+    with_row_fault(monkeypatch, module, row)
+    faulty = invoke(folder, *texts, "--against", "attn:eager", "--json")
+    assert faulty.exit_code == 1, faulty.output
+    report = json.loads(faulty.stdout)
+    assert [o["module"] for o in report["origins"]] == [module]
+    expected = row_fault_error(folder, texts, module, row)
+    assert report["origins"][0]["local_error"] == pytest.approx(expected, rel=1e-3)
+    assert report["first_divergence"] == module
+    text = invoke(folder, *texts, "--against", "attn:eager")
+    assert text.exit_code == 1 and text.stdout.startswith("FAIL")
+    assert f"1. {module}" in text.stdout
+
+
+def test_eager_attention_passes_a_healthy_tiny_bert(bert_dir, monkeypatch):
+    module = "encoder.layer.1.attention.output.dense"
+    check_eager_verdicts(bert_dir, ISSUE_TEXTS, module, monkeypatch)
+
+
+@pytest.mark.slow
+def test_eager_attention_passes_minilm(minilm_dir, monkeypatch):
+    """Issue #23: `compare MiniLM ... --against attn:eager` printed FAIL (exit 1) with no origin."""
+    check_eager_verdicts(
+        minilm_dir, ISSUE_TEXTS, "encoder.layer.3.attention.output.dense", monkeypatch
+    )
+
+
+def test_a_variant_that_changes_nothing_is_said_so(bert_dir):
+    """Issue #23: a PASS with nothing differing said "largest local error 0 in pooler.dense"."""
+    result = invoke(bert_dir, *TEXTS, "--against", "fp32")
+    assert result.exit_code == 0, result.output
+    assert "largest" not in result.stdout
+    assert "no local error: every output equal bit for bit" in result.stdout
+    assert "no cumulative error: every output equal bit for bit" in result.stdout
+    assert "warning: --against fp32 changes nothing: the model already runs float32" in (
+        " ".join(result.stdout.split())
+    )
+    report = json.loads(invoke(bert_dir, *TEXTS, "--against", "fp32", "--json").stdout)
+    assert len(report["warnings"]) == 1 and "changes nothing" in report["warnings"][0]
+    assert all(m["local_error"] in (0.0, None) for m in report["modules"])
+    # Every module has the same keys, note and replay_note null when there is none.
+    assert {frozenset(m) for m in report["modules"]} == {frozenset(report["modules"][0])}
+    assert {"note", "replay_note"} <= set(report["modules"][0])
+    assert report["modules"][0]["note"] is None
+    # A variant that changes something has no warning.
+    other = json.loads(invoke(bert_dir, *TEXTS, "--against", "bf16", "--json").stdout)
+    assert other["warnings"] == []
 
 
 def wrong_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -240,6 +362,83 @@ def test_checkpoints_differing_in_one_layer(bert_dir, tmp_path):
     assert report["counts"]["inherited"] > 0  # the pooler, at least
 
 
+def test_an_error_from_outside_the_selection_fails_with_no_origin(bert_dir, tmp_path):
+    """Only encoder.layer.1 is selected; layer 0 differs. Layer 1's own code is exact, so there
+    is no origin, but its output carries more than rounding: FAIL, and the heading says why."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(bert_dir).eval()
+    with torch.no_grad():
+        model.encoder.layer[0].output.dense.weight.mul_(1.2)
+    model.save_pretrained(tmp_path / "other")
+    result = invoke(bert_dir, tmp_path / "other", *TEXTS, "--include", "encoder.layer.1", "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert report["origins"] == [] and report["inherited"] == ["encoder.layer.1"]
+    (layer,) = report["modules"]
+    # Its cumulative error, from plain transformers: both models, their own hooks.
+    outs = []
+    for folder in (tmp_path / "other", bert_dir):
+        seen = {}
+        plain = AutoModel.from_pretrained(folder).eval()
+        plain.encoder.layer[1].register_forward_hook(
+            lambda mod, args, out, seen=seen: seen.setdefault(
+                "out", out[0] if isinstance(out, tuple) else out
+            )
+        )
+        with torch.no_grad():
+            plain(**batch(bert_dir))
+        outs.append(seen["out"])
+    expected = float((outs[0] - outs[1]).abs().max() / outs[1].abs().max())
+    assert expected > 2 * report["accumulated_tolerance"]["scaled_atol"]
+    assert layer["cumulative_error"] == pytest.approx(expected, rel=1e-4)
+    heading = invoke(bert_dir, tmp_path / "other", *TEXTS, "--include", "encoder.layer.1")
+    assert "no origin: every module's own error is within tolerance, yet the" in heading.stdout
+
+
+def build_other_bert(folder: Path, **changes) -> Path:
+    """hf.build_bert's tiny BERT with some of its config changed."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = dict(
+        vocab_size=120,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    BertModel(BertConfig(**{**config, **changes})).eval().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("changes", "first"),
+    [
+        (
+            {"hidden_size": 48},
+            "'embeddings.word_embeddings.weight' is [120, 48] in it, [120, 32] in '",
+        ),
+        ({"num_hidden_layers": 3}, "it has a module 'encoder.layer.2' that"),
+        ({"num_hidden_layers": 1}, "module 'encoder.layer.1' has no counterpart in it"),
+    ],
+)
+def test_another_architecture_is_refused(bert_dir, tmp_path, changes, first):
+    """Issue #23: MiniLM against bert-base ran, and reported 9 origins and 51 replay errors."""
+    other = build_other_bert(tmp_path / "other", **changes)
+    result = invoke(bert_dir, other, *TEXTS)
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    message = result.stderr.strip()
+    assert "\n" not in message and "Traceback" not in message
+    assert message.startswith(f"error: '{other}' is not the architecture of '{bert_dir}': ")
+    assert first in message
+    # With --against too: the second checkpoint's variant is no more its architecture.
+    with_variant = invoke(bert_dir, other, *TEXTS, "--against", "bf16")
+    assert with_variant.exit_code == 2 and first in with_variant.stderr
+
+
 def test_out_dir_keeps_dumps_that_diff_reads_the_same(bert6, bert6_fault, tmp_path):
     out = tmp_path / "run"
     junit = tmp_path / "r.xml"
@@ -250,10 +449,13 @@ def test_out_dir_keeps_dumps_that_diff_reads_the_same(bert6, bert6_fault, tmp_pa
     again = runner.invoke(
         app, ["diff", str(out / "candidate.safetensors"), str(out / "reference.safetensors")]
     )
+    # diff with the tolerance compare judged the cumulative errors with (fp32, widened)
+    widened = str(report["accumulated_tolerance"]["scaled_atol"])
     again_json = runner.invoke(
         app,
         ["diff", str(out / "candidate.safetensors"), str(out / "reference.safetensors"), "--json"]
         + ["--preset", "fp32"],
+        env={"MODELTAP_SCALED_ATOL": widened},
     )
     assert again.exit_code == 1
     diffed = json.loads(again_json.stdout)
@@ -294,11 +496,65 @@ def test_errors_are_one_clean_line(bert_dir, args, message):
     assert message in result.stderr and "Traceback" not in result.output
 
 
+def test_help_says_what_compare_takes():
+    """Issue #23: --help offered archives and factories, and diff's --atol/--rtol defaults."""
+    text = " ".join(runner.invoke(app, ["compare", "--help"], terminal_width=80).stdout.split())
+    assert "pkg.module:factory" not in text and "not a .pt2 or .pt archive, nor a factory" in text
+    assert "1e-8" not in text and "1e-5" not in text
+    assert text.count("wins over the preset's [default: the preset's]") == 2
+    assert "[default: bf16 or fp16 for those variants, cross-device for cuda" in text
+    assert "Rename the candidate's module names to MODEL's" in text
+    assert "With --out-dir: the dumps kept there hold statistics only" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["pkg.module:factory", "hi", "--against", "bf16"], "MODEL 'pkg.module:factory' is an"),
+        (["model.pt2", "hi", "--against", "bf16"], "MODEL 'model.pt2' is an archive or a factory"),
+        (["BERT", "model.pt2", "hi"], "CANDIDATE 'model.pt2' is an archive or a factory"),
+        (["BERT", "hi", "--against", "bf16", "--stats-only"], "give --out-dir DIR"),
+    ],
+)
+def test_what_compare_cannot_take_is_refused(bert_dir, tmp_path, args, message):
+    (tmp_path / "model.pt2").write_bytes(b"")
+    args = [str(bert_dir) if a == "BERT" else a for a in args]
+    args = [str(tmp_path / a) if a == "model.pt2" else a for a in args]
+    message = message.replace("'model.pt2'", f"'{tmp_path / 'model.pt2'}'")
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_against_cuda(bert_dir):
     result = invoke(bert_dir, *TEXTS, "--against", "cuda", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["candidate"]["device"].startswith("cuda")
+
+
+def test_accumulated_allowance_comes_from_the_preset(tmp_path, monkeypatch):
+    from modeltap.config import Settings, accumulated_allowance, tolerance_values
+
+    monkeypatch.delenv("MODELTAP_CONFIGS", raising=False)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tolerances.toml").write_text(
+        "[a]\natol = 1e-5\nrtol = 0.0\naccumulated_scaled_atol = 3e-4\n"
+        "[b]\natol = 0.0\nrtol = 0.0\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    s = Settings(accumulated_scaled_atol=2e-5)
+    assert accumulated_allowance(s, "a") == 3e-4
+    assert accumulated_allowance(s, "b") == 2e-5  # the preset has none: the settings'
+    # diff's tolerance never holds it: a Tolerance has no such field
+    assert "accumulated_scaled_atol" not in tolerance_values(s, preset="a")
+    assert Tolerance(**tolerance_values(s, preset="a")).atol == 1e-5
+    # and it widens only cumulative errors, to at least that scaled_atol
+    options = Options(tolerance=Tolerance(atol=1e-5, rtol=0.0), accumulated_scaled_atol=3e-4)
+    assert options.accumulated(options.tolerance) == Tolerance(1e-5, 0.0, scaled_atol=3e-4)
+    wide = Tolerance(atol=0.0, rtol=0.0, scaled_atol=0.05)
+    assert options.accumulated(wide) == wide
 
 
 def test_scale_relative_tolerance():

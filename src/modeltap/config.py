@@ -76,6 +76,8 @@ class Settings:
     use_cache: bool = False
     scaled_atol: float = 0.0
     min_cosine: float | None = None
+    # compare only: scale-relative allowance for rounding accumulated from module to module
+    accumulated_scaled_atol: float = 0.0
 
     # big models: placement across GPUs, CPU and disk (dump, grads, ls)
     device_map: str | None = None
@@ -122,6 +124,7 @@ _TYPES: dict[str, type] = {
     "use_cache": bool,
     "scaled_atol": float,
     "min_cosine": float,
+    "accumulated_scaled_atol": float,
     "compile": bool,
     "fullgraph": bool,
     "dynamic": bool,
@@ -250,8 +253,11 @@ def load_settings(
 
 TOLERANCE_FILE = "tolerances.toml"
 TOLERANCE_KEYS = ("atol", "rtol", "scaled_atol", "min_cosine")
-# What a preset may hold besides tolerances: `upcast = true` for presets made to compare dtypes.
-PRESET_KEYS = (*TOLERANCE_KEYS, "upcast")
+# compare's allowance for rounding accumulated from module to module; a preset may hold it
+ACCUMULATED_KEY = "accumulated_scaled_atol"
+# What a preset may hold besides tolerances: `upcast = true` for presets made to compare dtypes,
+# and compare's allowance.
+PRESET_KEYS = (*TOLERANCE_KEYS, "upcast", ACCUMULATED_KEY)
 
 
 def config_dirs(cwd: Path | None = None) -> list[Path]:
@@ -316,8 +322,18 @@ def tolerance_values(
         "min_cosine": s.min_cosine,
     }
     if preset:
-        values.update(tolerance_preset(preset))
+        values.update({k: v for k, v in tolerance_preset(preset).items() if k in TOLERANCE_KEYS})
     values.update({k: v for k, v in {"atol": atol, "rtol": rtol}.items() if v is not None})
     if values["atol"] < 0 or values["rtol"] < 0 or values["scaled_atol"] < 0:
         raise InputError("--atol, --rtol and scaled_atol must be 0 or more")
     return values
+
+
+def accumulated_allowance(s: Settings, preset: str | None = None) -> float:
+    """compare's `accumulated_scaled_atol` by precedence: settings files and env < preset."""
+    value = s.accumulated_scaled_atol
+    if preset:
+        value = float(read_preset(preset).get(ACCUMULATED_KEY, value))
+    if value < 0:
+        raise InputError(f"{ACCUMULATED_KEY} must be 0 or more")
+    return value

@@ -10,9 +10,10 @@ import typer
 
 from modeltap.cli.app import app, handle_errors, settings, stderr, stdout, write_atomically
 from modeltap.cli.options import (
+    KEYS,
     OUTPUT,
     RUNNING,
-    AtolOpt,
+    TOL,
     ConfigOpt,
     DepthOpt,
     DeviceOpt,
@@ -23,13 +24,8 @@ from modeltap.cli.options import (
     InputFileOpt,
     JsonOpt,
     JunitOpt,
-    MapOpt,
-    ModelArg,
     ModelClassOpt,
-    PresetOpt,
     RevisionOpt,
-    RtolOpt,
-    StatsOnlyOpt,
     TokenizerOpt,
     TrainModeOpt,
     TrustOpt,
@@ -38,6 +34,61 @@ from modeltap.config import Settings
 from modeltap.errors import InputError
 
 REPORT_FILE = "report.json"
+
+# compare's own wording of shared options: its models are replayed module by module in Python,
+# its tolerance defaults to a preset chosen by the variant, and --map renames the candidate's.
+ModelArg = Annotated[
+    str | None,
+    typer.Argument(
+        help="Hugging Face model id or folder with config.json (its modules are replayed in "
+        "Python: not a .pt2 or .pt archive, nor a factory).",
+        metavar="MODEL",
+        show_default=False,
+    ),
+]
+PresetOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Tolerances from configs/tolerances.toml [default: bf16 or fp16 for those "
+        "variants, cross-device for cuda, compile for compile, else fp32].",
+        metavar="NAME",
+        rich_help_panel=TOL,
+    ),
+]
+AtolOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Absolute tolerance; wins over the preset's [default: the preset's].",
+        metavar="X",
+        rich_help_panel=TOL,
+    ),
+]
+RtolOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Relative tolerance; wins over the preset's [default: the preset's].",
+        metavar="X",
+        rich_help_panel=TOL,
+    ),
+]
+MapOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--map",
+        help="Rename the candidate's module names to MODEL's: OLD=NEW globs ('bert.*=*'); "
+        "repeatable.",
+        metavar="OLD=NEW",
+        rich_help_panel=KEYS,
+    ),
+]
+StatsOnlyOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--stats-only/--with-tensors",
+        help="With --out-dir: the dumps kept there hold statistics only.",
+        rich_help_panel=OUTPUT,
+    ),
+]
 
 
 @app.command("compare")
@@ -141,6 +192,11 @@ def compare_command(
     variant = parse_against(s.against)
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
+    _check_replayable(s.model, "MODEL")
+    if s.candidate is not None:
+        _check_replayable(s.candidate, "CANDIDATE")
+    if stats_only and not s.out_dir:
+        raise InputError("--stats-only applies to the dumps --out-dir keeps; give --out-dir DIR")
     if s.candidate is None and s.against is None:
         raise InputError("nothing to compare with; give a CANDIDATE model or --against bf16, ...")
     if s.texts and s.input_file:
@@ -153,17 +209,25 @@ def compare_command(
             )
         raise InputError("nothing to run on; give TEXT or --input-file")
     preset_name = s.preset or _default_preset(DEFAULT_PRESET[variant.kind])
-    from modeltap.config import tolerance_values
+    from modeltap.compare import Options
+    from modeltap.config import accumulated_allowance, tolerance_values
     from modeltap.diff import Tolerance
     from modeltap.dump import check_writable
 
     values = tolerance_values(s, atol=atol, rtol=rtol, preset=preset_name)
-    overrides = [(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()]
+    options = Options(
+        tolerance=Tolerance(**values),
+        overrides=[(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()],
+        accumulated_scaled_atol=accumulated_allowance(s, preset_name),
+        equal_nan=s.equal_nan,
+        train_mode=s.train_mode,
+        seed=s.seed,
+    )
     if junit is not None:
         check_writable(junit, "--junit")
     work = _out_dir(s.out_dir)
 
-    report = _run(s, variant, Tolerance(**values), overrides, work)
+    report = _run(s, variant, options, work)
     report.preset = preset_name
     if work is not None:
         write_atomically(work / REPORT_FILE, json.dumps(report.to_json(), indent=1))
@@ -194,6 +258,17 @@ def compare_command(
     raise typer.Exit(0 if report.passed else 1)
 
 
+def _check_replayable(model: str, what: str) -> None:
+    from modeltap.cli.dump import _is_transformed
+
+    if _is_transformed(model):
+        raise InputError(
+            f"{what} '{model}' is an archive or a factory; compare replays a transformers "
+            "model's modules, so give a Hugging Face id or a folder with config.json (or dump "
+            "each model and `modeltap diff` the dumps)"
+        )
+
+
 def _split_positionals(s: Settings, rest: list[str]) -> None:
     """MODEL [CANDIDATE] TEXT...: the first of `rest` is the candidate without --against, or with
     it when it is a folder holding config.json; the others are sentences."""
@@ -220,11 +295,12 @@ def _out_dir(path: str | None) -> Path | None:
     return folder
 
 
-def _run(s: Settings, variant: Any, tolerance: Any, overrides: Any, work: Path | None) -> Any:
+def _run(s: Settings, variant: Any, options: Any, work: Path | None) -> Any:
+    import dataclasses
     import tempfile
 
     from modeltap.cli.dump import _load_with_inputs, _run_metadata
-    from modeltap.compare import Options, compare_models, make_candidate
+    from modeltap.compare import compare_models, make_candidate
     from modeltap.compare.variants import compute_dtype, model_device
     from modeltap.loading import load_model
     from modeltap.selection import Selection, select_modules
@@ -243,6 +319,12 @@ def _run(s: Settings, variant: Any, tolerance: Any, overrides: Any, work: Path |
                 device=s.device,
                 trust_remote_code=s.trust_remote_code,
             )
+        if other is not None:
+            from modeltap.compare.variants import check_same_architecture
+
+            check_same_architecture(
+                loaded.model, other.model, s.map, (s.model or "", s.candidate or "")
+            )
         base = loaded.model if other is None else other.model
         candidate = make_candidate(base, variant, shared=shared)
     inputs = _no_cache(loaded.model, inputs, s.use_cache)
@@ -254,14 +336,8 @@ def _run(s: Settings, variant: Any, tolerance: Any, overrides: Any, work: Path |
         with err.status(f"{variant.backend} of the modules at --depth {s.depth}"):
             note = transform(variant.backend, candidate, loaded.model, inputs, s.depth)
         rename += COMPILED_RENAME if variant.backend == "compile" else ()
-    options = Options(
-        tolerance=tolerance,
-        overrides=overrides,
-        rename=rename,
-        replay_depth=s.depth if variant.backend else None,
-        equal_nan=s.equal_nan,
-        train_mode=s.train_mode,
-        seed=s.seed,
+    options = dataclasses.replace(
+        options, rename=rename, replay_depth=s.depth if variant.backend else None
     )
     ref_meta = _run_metadata(s, loaded)
     cand_meta = {
@@ -284,6 +360,11 @@ def _run(s: Settings, variant: Any, tolerance: Any, overrides: Any, work: Path |
                 metadata=(ref_meta, cand_meta),
             )
     report.replay_note = note
+    if shared:
+        from modeltap.compare.variants import unchanged
+
+        warning = unchanged(loaded.model, candidate, variant)
+        report.warnings += [warning] if warning else []
     report.reference = {**ref_meta, "model_class": loaded.model_class}
     report.candidate = {**cand_meta, "model_class": type(candidate).__name__}
     return report

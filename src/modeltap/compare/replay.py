@@ -27,7 +27,7 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,7 +52,7 @@ from modeltap.compare.shortcut import (
     rebuild,
     versions,
 )
-from modeltap.compare.variants import compute_dtype, model_device
+from modeltap.compare.variants import attn_impl, compute_dtype, model_device
 from modeltap.diff import (
     DiffReport,
     Pair,
@@ -81,14 +81,23 @@ REFERENCE_FILE = "reference.safetensors"
 class Options:
     """How to compare; the defaults are diff's."""
 
+    # A module's own code's error (local) is judged with `tolerance` (or an override's).
     tolerance: Tolerance = field(default_factory=Tolerance)
     overrides: Sequence[tuple[str, Tolerance]] = ()
+    # A cumulative error holds the rounding of every module before it, each within `tolerance`:
+    # it is judged with `tolerance` widened to at least this scaled_atol (see `accumulated`).
+    accumulated_scaled_atol: float = 0.0
     rename: Sequence[str] = ()
     equal_nan: bool = False
     train_mode: bool = False
     seed: int = 0
     # Replay only modules with at most this many dotted name parts (None: every selected one).
     replay_depth: int | None = None
+
+    def accumulated(self, tol: Tolerance) -> Tolerance:
+        """`tol` as it judges a cumulative error: rounding passed on from module to module grows
+        with the magnitudes the tensors hold, which only a scale-relative term accepts."""
+        return replace(tol, scaled_atol=max(tol.scaled_atol, self.accumulated_scaled_atol))
 
 
 def compare_models(
@@ -181,6 +190,7 @@ def compare_models(
         candidate={},
         cumulative=report,
         modules=ordered,
+        tolerance=options.tolerance,
         replay_depth=options.replay_depth,
     )
 
@@ -293,6 +303,7 @@ class _Cumulative:
             (t for glob, t in self.options.overrides if fnmatchcase(other, glob)),
             self.options.tolerance,
         )
+        tol = self.options.accumulated(tol)
         ref = tensor.detach()
         norm = self.ref_norms[key] = _l2(ref)
         pair = compare(
@@ -329,7 +340,7 @@ class _Cumulative:
         return DiffReport(
             cand_path,
             ref_path,
-            self.options.tolerance,
+            self.options.accumulated(self.options.tolerance),
             self.pairs,
             only_cand,
             self.only_ref,
@@ -363,7 +374,7 @@ class _Replayer:
         # Attention masks are built by the model in its attention implementation's format
         # (sdpa: boolean, eager: additive). A candidate with another implementation gets the
         # reference's masks in the additive form, which every implementation reads.
-        self.additive_masks = _attn_impl(reference) != _attn_impl(root)
+        self.additive_masks = attn_impl(reference) != attn_impl(root)
 
     def within_depth(self, name: str) -> bool:
         depth = self.options.replay_depth
@@ -569,10 +580,6 @@ def _module_dtype_device(module: nn.Module) -> tuple[Any, Any] | None:
         if tensor.is_floating_point():
             return tensor.dtype, tensor.device
     return None
-
-
-def _attn_impl(model: nn.Module) -> str | None:
-    return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
 def _cast(value: Any, dtype: Any, device: Any, additive_masks: bool = False) -> Any:

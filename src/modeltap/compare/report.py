@@ -8,6 +8,10 @@ children's error too, so it is an origin only when no selected descendant's loca
 A module that is not an origin but holds one is **via child**; a module whose cumulative error is
 out of tolerance with its local error within, and no origin inside, is **inherited**: it only
 passes on what it received.
+
+Local errors are judged with the tolerance asked for; cumulative errors with that tolerance
+widened for rounding accumulated from module to module (`Options.accumulated`). The verdict is
+PASS when no module is an origin and every cumulative error is within its widened tolerance.
 """
 
 from __future__ import annotations
@@ -16,10 +20,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from modeltap.capture import split_key
-from modeltap.diff import DiffReport, Pair
+from modeltap.diff import DiffReport, Pair, Tolerance
 from modeltap.selection import ROOT
 
-REPORT_SCHEMA = "modeltap.compare/2"
+REPORT_SCHEMA = "modeltap.compare/3"
 
 # How a module's replay ran (ModuleResult.replay).
 LEAF = "leaf"  # no selected child was called: replayed as it is
@@ -93,7 +97,7 @@ class ModuleResult:
         return "ok"
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+        return {
             "module": self.name,
             "candidate": self.other,
             "status": self.status,
@@ -105,12 +109,9 @@ class ModuleResult:
             "cumulative_error": self.cumulative_error,
             "local": [p.to_json() for p in self.local],
             "cumulative": [p.other for p in self.cumulative],
+            "note": self.note or None,
+            "replay_note": self.replay_note or None,
         }
-        if self.note:
-            out["note"] = self.note
-        if self.replay_note:
-            out["replay_note"] = self.replay_note
-        return out
 
 
 def _worst(pairs: list[Pair]) -> float | None:
@@ -141,8 +142,9 @@ def attribute(modules: list[ModuleResult]) -> None:
 class CompareReport:
     reference: dict[str, str]
     candidate: dict[str, str]
-    cumulative: DiffReport
+    cumulative: DiffReport  # judged with the accumulated tolerance: see `Options.accumulated`
     modules: list[ModuleResult]
+    tolerance: Tolerance = field(default_factory=Tolerance)  # the local errors'
     preset: str | None = None
     replay_depth: int | None = None
     replay_note: str = ""
@@ -191,7 +193,8 @@ class CompareReport:
             "reference": self.reference,
             "candidate": self.candidate,
             "preset": self.preset,
-            "tolerance": asdict(self.cumulative.tolerance),
+            "tolerance": asdict(self.tolerance),
+            "accumulated_tolerance": asdict(self.cumulative.tolerance),
             "replay": {"depth": self.replay_depth, "note": self.replay_note},
             "origins": [
                 {

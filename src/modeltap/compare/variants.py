@@ -9,12 +9,12 @@ its own low-precision weights.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from modeltap.errors import InputError
-from modeltap.selection import suggest
+from modeltap.selection import ROOT, suggest
 
 if TYPE_CHECKING:
     import torch
@@ -133,6 +133,65 @@ def make_candidate(base: nn.Module, variant: Variant, *, shared: bool) -> nn.Mod
                 f"attn:{variant.attn} can't be used with {type(model).__name__}: {first}"
             ) from exc
     return model.eval()
+
+
+def check_same_architecture(
+    reference: nn.Module,
+    candidate: nn.Module,
+    rename: Sequence[str] = (),
+    names: tuple[str, str] = ("MODEL", "CANDIDATE"),
+) -> None:
+    """`InputError` naming the first difference between the two module trees (after `rename`,
+    the candidate's OLD=NEW globs) or the shapes of their parameters: a module's replay feeds the
+    reference's inputs to its counterpart, which another architecture can't take."""
+    from modeltap.diff import apply_map, parse_map
+
+    rules = parse_map(rename)
+    ref_name, cand_name = names
+    theirs = {apply_map(n or ROOT, rules): m for n, m in candidate.named_modules()}
+    ours = {n or ROOT: m for n, m in reference.named_modules()}
+
+    def refuse(what: str) -> InputError:
+        return InputError(
+            f"'{cand_name}' is not the architecture of '{ref_name}': {what}; compare runs two "
+            "variants of one model (dump each and `modeltap diff` them for others)"
+        )
+
+    for name, module in ours.items():
+        other = theirs.get(name)
+        if other is None:
+            raise refuse(f"module '{name}' has no counterpart in it (--map renames)")
+        shapes = {n: list(p.shape) for n, p in other.named_parameters(recurse=False)}
+        for leaf, param in module.named_parameters(recurse=False):
+            if leaf in shapes and shapes[leaf] != list(param.shape):
+                where = leaf if name == ROOT else f"{name}.{leaf}"
+                raise refuse(
+                    f"'{where}' is {shapes[leaf]} in it, {list(param.shape)} in '{ref_name}'"
+                )
+    extra = next((name for name in theirs if name not in ours), None)
+    if extra is not None:
+        raise refuse(f"it has a module '{extra}' that '{ref_name}' lacks")
+
+
+def unchanged(reference: nn.Module, candidate: nn.Module, variant: Variant) -> str | None:
+    """A warning when `--against` built a candidate that computes as the reference does (the
+    dtype, device and attention implementation it already has): every error is then 0."""
+    if variant.backend:
+        return None
+    ours = (compute_dtype(reference), model_device(reference), attn_impl(reference))
+    if (compute_dtype(candidate), model_device(candidate), attn_impl(candidate)) != ours:
+        return None
+    dtype, device, attn = ours
+    how = f"{str(dtype).removeprefix('torch.')} on {device}" + (
+        f", {attn} attention" if attn else ""
+    )
+    return (
+        f"--against {variant.label} changes nothing: the model already runs {how}; every error is 0"
+    )
+
+
+def attn_impl(model: nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
 def compute_dtype(model: nn.Module) -> torch.dtype:

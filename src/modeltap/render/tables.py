@@ -426,7 +426,13 @@ def compare_heading(report: Any) -> Text:
     if label != "same":
         text.append(label, style="bold")
     text.append(f" ({cand.get('dtype', '?')}, {cand.get('device', '?')})\n")
-    text.append(f"tolerance {report.preset or ''}: {report.cumulative.tolerance.describe()}\n")
+    local, cumulative = report.tolerance, report.cumulative.tolerance
+    for warning in report.warnings:
+        text.append(f"warning: {warning}\n", style="yellow")
+    text.append(f"tolerance {report.preset or ''}: {local.describe()}\n")
+    if cumulative != local:
+        widened = f"scaled_atol={cumulative.scaled_atol:g}"
+        text.append(f"  cumulative errors: {widened} too (rounding accumulated)\n")
     replayed = [m for m in report.modules if m.status == "replayed"]
     text.append(f"{len(replayed)} modules replayed")
     if report.replay_depth is not None:
@@ -453,8 +459,9 @@ def compare_heading(report: Any) -> Text:
             text.append(f"  ... {len(origins) - DIFF_ROWS} more (--json lists all)\n")
     first = report.first_divergence
     if not origins and not report.passed:
-        text.append("no origin: every module's own error is within tolerance; what differs is\n")
-        text.append("rounding accumulated from module to module\n")
+        text.append("no origin: every module's own error is within tolerance, yet the\n")
+        text.append("cumulative error is beyond accumulated rounding: look at the modules not\n")
+        text.append("compared or replay invalid, or at small errors adding up\n")
     if first is not None:
         text.append("first divergence: ", style="bold")
         text.append(first.other, style="bold red")
@@ -475,7 +482,9 @@ def compare_heading(report: Any) -> Text:
             for m in report.modules
         ]
         known = [(e, name) for e, name in errors if e is not None]
-        if known:
+        if known and max(known)[0] == 0:
+            text.append(f"no {what} error: every output equal bit for bit\n", style="dim")
+        elif known:
             worst = max(known)
             text.append(f"largest {what} error {fmt(worst[0])} in {worst[1]}\n", style="dim")
     text.append("errors are max |candidate - reference| / max |reference|", style="dim")
