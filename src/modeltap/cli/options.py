@@ -128,6 +128,15 @@ StatsOnlyOpt = Annotated[
         rich_help_panel=OUTPUT,
     ),
 ]
+HistOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--hist/--no-hist",
+        help="Also store a 43-bin histogram of each tensor's values (signed, log-spaced "
+        "from 1e-6 to 1e4) with its statistics, for `modeltap report`.",
+        rich_help_panel=OUTPUT,
+    ),
+]
 TokenizerOpt = Annotated[
     str | None,
     typer.Option(
