@@ -19,6 +19,7 @@ from modeltap.cli.options import (
     DTypeOpt,
     EqualNanOpt,
     ExcludeOpt,
+    HtmlOpt,
     IncludeOpt,
     InputFileOpt,
     JsonOpt,
@@ -83,6 +84,7 @@ def compare_command(
     stats_only: StatsOnlyOpt = None,
     json_out: JsonOpt = False,
     junit: JunitOpt = None,
+    html: HtmlOpt = None,
     show_all: Annotated[
         bool, typer.Option("--all", help="List every module.", rich_help_panel=OUTPUT)
     ] = False,
@@ -161,6 +163,10 @@ def compare_command(
     overrides = [(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()]
     if junit is not None:
         check_writable(junit)
+    if html is not None:
+        from modeltap.cli.report import check_html_target
+
+        check_html_target(html)
     work = _out_dir(s.out_dir)
 
     report = _run(s, variant, Tolerance(**values), overrides, work)
@@ -177,6 +183,12 @@ def compare_command(
             if report.module_of(p) == m.name
         }
         write_atomically(junit, junit_xml(report.cumulative, name="modeltap compare", notes=notes))
+    if html is not None:
+        from modeltap.cli.report import invocation, write_html
+        from modeltap.render.report import compare_page
+
+        command = invocation("compare", ["--html", str(html)])
+        write_html(html, compare_page(report.to_json(), command=command))
     if json_out:
         print(json.dumps(report.to_json(), indent=1))
     else:

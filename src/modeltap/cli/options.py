@@ -304,6 +304,15 @@ JunitOpt = Annotated[
         rich_help_panel=OUTPUT,
     ),
 ]
+HtmlOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--html",
+        help="Also write the report as one self-contained HTML page (see `modeltap report`).",
+        metavar="FILE",
+        rich_help_panel=OUTPUT,
+    ),
+]
 
 # Big models: placement by transformers/accelerate across GPUs, CPU and disk.
 DeviceMapOpt = Annotated[
