@@ -94,7 +94,7 @@ def layout(title: str, x_title: str, y_title: str, *, log_y: bool = False, **ext
     return {
         "title": {"text": title, "x": 0.01, "font": {"size": 15}},
         "xaxis": {"title": {"text": x_title}, "automargin": True},
-        "yaxis": {"title": {"text": y_title}, "type": "log" if log_y else "linear",
+        "yaxis": {"title": {"text": y_title}, "type": "log" if log_y else "-",
                   "automargin": True},
         "margin": {"l": 60, "r": 20, "t": 40, "b": 50},
         "height": 320,
