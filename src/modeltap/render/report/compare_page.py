@@ -117,8 +117,9 @@ def compare_page(data: dict[str, Any], *, command: str = "") -> Page:
     page.figures["compare-errors"] = {"data": data_traces, "layout": layout(
         "Local against cumulative error per module (in the reference's order)",
         "module", "max |a−b| / max |b| (log scale)", log_y=True, barmode="group", height=420,
-        xaxis={"type": "category", "automargin": True, "tickangle": -45,
-               "title": {"text": "module"}},
+        xaxis={"type": "category", "automargin": True, "tickangle": -60,
+               "tickfont": {"size": 9}, "title": {"text": "module"}},
+        legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1, "xanchor": "right"},
     )}  # fmt: skip
     page.sections.append(Section(
         "charts", "Introduced or inherited", charts=["compare-errors"],

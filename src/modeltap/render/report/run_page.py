@@ -194,6 +194,15 @@ def _rank_figure(run: RunIndex, step: int, keys: list[str]) -> dict[str, Any]:
     )}  # fmt: skip
 
 
+def _trip_text(trip: dict[str, Any]) -> str:
+    """One line for a tripwire event of the index (which stores its fields, not its message)."""
+    how = "came in from outside" if trip.get("propagated") else "appeared"
+    return (
+        f"step {trip['step']} rank {trip.get('rank', 0)}: non-finite {trip.get('phase', '')} "
+        f"{how} at {trip.get('module', '?')} ({trip.get('key', '?')})"
+    )
+
+
 def run_page(run: RunIndex, *, command: str = "") -> Page:
     """The page of a run folder written by `modeltap.record`."""
     page = Page(f"modeltap run: {run.folder}", "run", command=command)
@@ -214,7 +223,7 @@ def run_page(run: RunIndex, *, command: str = "") -> Page:
         ("modules", str(len(events["keys"][False])), ""),
         ("every", str(first.start.get("every", "?")), ""),
         ("rule hits", str(len(run.hits)), "warn" if run.hits else "ok"),
-        ("tripwire", "; ".join(f"step {t['step']}: {t.get('message', '')}" for t in trips)
+        ("tripwire", "; ".join(_trip_text(t) for t in trips)
          or "none", "bad" if trips else "ok"),
     ]  # fmt: skip
     if not all_steps:
@@ -297,7 +306,7 @@ def run_page(run: RunIndex, *, command: str = "") -> Page:
         )
     if run.hits or trips:
         rows = [{"class": "bad", "cells": ["tripwire", t["step"], "", t.get("module", ""),
-                                           t.get("phase", ""), t.get("message", "")]}
+                                           t.get("phase", ""), _trip_text(t)]}
                 for t in trips]  # fmt: skip
         rows += [{"class": "", "cells": [h.get("rule", ""), h.get("step", ""), h.get("rank", ""),
                                          h.get("key", ""), fmt(h.get("value")),
