@@ -59,16 +59,38 @@ def _keys(steps: list[dict[str, Any]], gradients: bool) -> list[str]:
     return list(seen)
 
 
-def _value(entry: dict[str, Any] | None, field: str, log: bool) -> float | None:
-    if entry is None:
-        return None
-    value = entry.get(field)
-    if field == "dead":
-        value = None if value is None else 100.0 * value
-    if log:
-        value = positive(value)
-        return None if value is None else math.log10(value)
-    return finite(value)
+def _matrix(steps: list[dict[str, Any]], keys: list[str], field: str, log: bool) -> Any:
+    """[key, step] values of `field` as float64, NaN where missing or not finite (log10 of the
+    positive ones when `log`; dead shares in percent)."""
+    import numpy as np
+
+    row = {k: i for i, k in enumerate(keys)}
+    values = np.full((len(keys), len(steps)), np.nan)
+    for column, step in enumerate(steps):
+        for key, entry in step.get("keys", {}).items():
+            i = row.get(key)
+            value = entry.get(field) if i is not None else None
+            if value is not None:
+                values[i, column] = value
+    with np.errstate(all="ignore"):
+        if field == "dead":
+            values *= 100.0
+        if log:
+            values = np.log10(np.where(values > 0, values, np.nan))
+    values[~np.isfinite(values)] = np.nan
+    return values
+
+
+def _reduced(values: Any, rows: list[tuple[int, int]], columns: list[tuple[int, int]]) -> list:
+    """The largest value of each [row group, column group] (NaN ignored), rounded to 5 decimals
+    (enough for a colour and a hover; half the bytes), None where a group holds none."""
+    import numpy as np
+
+    if not values.size:
+        return []
+    out = np.fmax.reduceat(values, [r0 for r0, _ in rows], axis=0)
+    out = np.fmax.reduceat(out, [c0 for c0, _ in columns], axis=1)
+    return np.where(np.isnan(out), None, np.round(out, 5)).tolist()
 
 
 def _log_colorbar(title: str, z: list[list[float | None]]) -> dict[str, Any]:
@@ -87,13 +109,7 @@ def _heatmap(run: RunIndex, rank: int, spec: tuple, events: dict[str, Any]) -> d
     keys = events["keys"][gradients]
     columns = _groups(len(steps), MAX_STEPS)
     rows = _groups(len(keys), MAX_MODULES)
-    z: list[list[float | None]] = []
-    for r0, r1 in rows:
-        line = []
-        for c0, c1 in columns:
-            line.append(_largest([_value(steps[c].get("keys", {}).get(keys[r]), field, log)
-                                  for c in range(c0, c1) for r in range(r0, r1)]))  # fmt: skip
-        z.append(line)
+    z = _reduced(_matrix(steps, keys, field, log), rows, columns)
     x = [steps[c0]["step"] for c0, _ in columns]
     y = [keys[r0] if r1 - r0 == 1 else f"{keys[r0]} … (+{r1 - r0 - 1})" for r0, r1 in rows]
     data: list[dict[str, Any]] = [{
@@ -256,16 +272,19 @@ def run_page(run: RunIndex, *, command: str = "") -> Page:
                                          for v in s.get("keys", {}).values()):  # fmt: skip
             continue
         chart = f"run-{spec[0]}-{'grad' if gradients else 'out'}"
-        for rank in ranks:
+        page.figures[chart] = _heatmap(run, ranks[0], spec, events)
+        for rank in ranks[1:]:
             options[str(rank)][chart] = _heatmap(run, rank, spec, events)
-        page.figures[chart] = options[str(ranks[0])][chart]
         charts.append(chart)
     update, update_note = _updates(run, ranks[0])
     if update["data"]:
-        for rank in ranks:
-            options[str(rank)]["run-updates"] = _updates(run, rank)[0]
         page.figures["run-updates"] = update
-    page.variants["rank"] = options
+        for rank in ranks[1:]:
+            options[str(rank)]["run-updates"] = _updates(run, rank)[0]
+    # The first rank's figures are the page's own (null: draw them again), not a second copy.
+    options[str(ranks[0])] = dict.fromkeys([*charts, *(["run-updates"] if update["data"] else [])])
+    if len(ranks) > 1:
+        page.variants["rank"] = options
     select = None
     if len(ranks) > 1:
         select = {

@@ -18,13 +18,19 @@
     });
   }
 
-  // A select swaps the data of one or more charts: variants[name][value] = {chart id: figure}.
+  // A select swaps the data of one or more charts: variants[name][value] = {chart id: figure},
+  // where a null figure is the one the page was drawn with.
   document.querySelectorAll("select[data-variants]").forEach(function (select) {
     select.addEventListener("change", function () {
       const chosen = variants[select.dataset.variants][select.value];
-      for (const [id, figure] of Object.entries(chosen)) {
+      for (const [id, given] of Object.entries(chosen)) {
+        const figure = given === null ? figures[id] : given;  // null: the page's own figure
         const layout = Object.assign({}, figures[id].layout, figure.layout || {});
-        Plotly.react(document.getElementById(id), figure.data, layout, config);
+        // a variant's trace gives what differs; the rest is the page's trace at its place
+        const data = figure.data.map(function (trace, i) {
+          return Object.assign({}, figures[id].data[i] || {}, trace);
+        });
+        Plotly.react(document.getElementById(id), data, layout, config);
       }
     });
   });
