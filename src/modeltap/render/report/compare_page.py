@@ -77,6 +77,14 @@ def _tree_rows(modules: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _few(names: list[str], shown: int = 5) -> str:
+    """The first names (largest local error first), and how many more the tree marks."""
+    if not names:
+        return "none"
+    more = f" (+{len(names) - shown} more, bold in the tree)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 def compare_page(data: dict[str, Any], *, command: str = "") -> Page:
     """The page of a compare report (`CompareReport.to_json()` or `compare --json` output)."""
     modules = data.get("modules", [])
@@ -91,7 +99,7 @@ def compare_page(data: dict[str, Any], *, command: str = "") -> Page:
         ("reference", ", ".join(f"{k} {v}" for k, v in reference.items()), ""),
         ("candidate", ", ".join(f"{k} {v}" for k, v in candidate.items()), ""),
         ("preset", str(data.get("preset")), ""),
-        ("origins", ", ".join(o["module"] for o in origins) or "none", "bad" if origins else "ok"),
+        ("origins", _few([o["module"] for o in origins]), "bad" if origins else "ok"),
         ("first divergence", str(data.get("first_divergence") or "none"), ""),
         ("modules", str(len(modules)), ""),
     ]

@@ -7,16 +7,24 @@
   const config = { responsive: true, displaylogo: false };
   window.modeltapCharts = 0;
 
-  for (const [id, figure] of Object.entries(figures)) {
-    const element = document.getElementById(id);
-    if (!element) continue;
-    Plotly.newPlot(element, figure.data, figure.layout, config).then(function () {
-      if (window.modeltapFirstChart === undefined) {
-        window.modeltapFirstChart = performance.now();  // ms since navigation start
-      }
-      window.modeltapCharts += 1;
-    });
+  // One chart at a time, yielding between them: the first is on screen before the others are
+  // computed, and the page stays responsive while they are.
+  const pending = Object.entries(figures).filter(function (entry) {
+    return document.getElementById(entry[0]) !== null;
+  });
+  function drawNext() {
+    const next = pending.shift();
+    if (!next) return;
+    Plotly.newPlot(document.getElementById(next[0]), next[1].data, next[1].layout, config)
+      .then(function () {
+        if (window.modeltapFirstChart === undefined) {
+          window.modeltapFirstChart = performance.now();  // ms since navigation start
+        }
+        window.modeltapCharts += 1;
+        setTimeout(drawNext, 0);
+      });
   }
+  drawNext();
 
   // A select swaps the data of one or more charts: variants[name][value] = {chart id: figure},
   // where a null figure is the one the page was drawn with.
