@@ -440,3 +440,17 @@ def test_report_help_is_true_and_quick(tmp_path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_without_the_report_extra_the_fix_is_named(tmp_path, monkeypatch) -> None:
+    import importlib.util
+
+    cand, ref = _tiny_pair(tmp_path)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "plotly" else real(name, *a)
+    )
+    for args in (["report", cand, "-o", "p.html"], ["diff", cand, ref, "--html", "p.html"]):
+        line = _one_line_error(invoke(*args))
+        assert "pip install 'modeltap[report]'" in line
+    assert not (tmp_path / "p.html").exists()
