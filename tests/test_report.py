@@ -454,3 +454,26 @@ def test_without_the_report_extra_the_fix_is_named(tmp_path, monkeypatch) -> Non
         line = _one_line_error(invoke(*args))
         assert "pip install 'modeltap[report]'" in line
     assert not (tmp_path / "p.html").exists()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_writer_histograms_on_every_path(tmp_path, device) -> None:
+    """Small tensors (batched), large ones (the writer thread), through the ring and inline."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from modeltap.dump import DumpWriter
+
+    torch.manual_seed(0)
+    tensors = {
+        "small": torch.randn(4, 8) * 1e-3,
+        "large": torch.randn(600, 1000) * 300,  # past the thread's 1 MB: the writer thread
+        "wide": torch.randn(2000, 1000),  # bigger than the ring below: done inline
+    }
+    tensors["large"][3, 7] = float("nan")
+    with DumpWriter(tmp_path / "h.st", hist=True, max_inflight=4 << 20) as writer:
+        for key, value in tensors.items():
+            writer.tensor(key, value.to(device))
+        path = writer.finish({})
+    dump = load_dump(path)
+    for key, value in tensors.items():
+        assert dump.stats_for(key).hist == reference_hist(value), key

@@ -11,11 +11,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from modeltap.compare.report import REPORT_SCHEMA as COMPARE_SCHEMA  # the one this page reads
 from modeltap.errors import InputError, first_line
 from modeltap.render.report.page import OKABE_ITO, Page, Section, cividis, fmt, layout, positive
 from modeltap.render.tree import _module_tree, _Node, _relative
 
-COMPARE_SCHEMA = "modeltap.compare/2"  # the schema this page reads (compare/report.py)
 TREE_COLUMNS = ["module", "verdict", "local error", "cumulative error", "replay", "note"]
 
 
