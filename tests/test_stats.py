@@ -226,3 +226,42 @@ def test_final_stats_left_out_rows_and_what_goes_the_other_way():
     assert got.dead == 1 and got.max == 5.0
     for other in (x.bfloat16(), torch.tensor([1.0, math.nan, math.inf]), torch.arange(6)):
         assert final_stats(other) == tensor_stats(other)
+
+
+def reference_hist(x: torch.Tensor) -> list[int]:
+    """Counts per bin of signed, log-spaced edges, two a decade from 1e-6 to 1e4, by comparison."""
+    values = x.double().reshape(-1)
+    values = values[~values.isnan()]
+    magnitudes = [10.0 ** (k / 2) for k in range(-12, 9)]
+    edges = [-m for m in reversed(magnitudes)] + magnitudes
+    lows, highs = [-math.inf, *edges], [*edges, math.inf]
+    counts = [
+        int(((values >= lo) & (values < hi)).sum()) for lo, hi in zip(lows, highs, strict=True)
+    ]
+    counts[-1] += int((values == math.inf).sum())
+    return counts
+
+
+def _hist_cases() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    spread = torch.randn(4, 8, 16) * torch.logspace(-8, 5, 16)  # every bin, zero to beyond 1e4
+    broken = spread.clone()
+    broken[0, 0, 0], broken[1, 1, 1], broken[2, 2, 2] = math.nan, math.inf, -math.inf
+    large = torch.randn(700, 1000) * 50  # past BATCH_ELEMENTS: the per-tensor path
+    return [spread, broken, large, large.bfloat16(), broken.half(), torch.zeros(3, 5)]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_histogram_counts_every_finite_value_in_its_bin_on_every_path(case):
+    x = _hist_cases()[case]
+    expected = reference_hist(x)
+    assert len(expected) == stats_module.HIST_BINS
+    assert tensor_stats(x, hist=True).hist == expected
+    assert stats_module.batch_stats([torch.ones(2), x], hist=True)[1].hist == expected
+    assert stats_module.final_stats(x, hist=True).hist == expected
+    base = {"shape": list(x.shape), "dtype": "x", "numel": x.numel()}
+    device_path = stats_module._device_stats(
+        x, base, dead_threshold=0.0, row_mask=None, count_zeros=False, hist=True
+    )
+    assert device_path.result().hist == expected
+    assert tensor_stats(x).hist is None  # only when asked for

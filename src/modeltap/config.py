@@ -39,6 +39,7 @@ class Settings:
     inputs: bool = False
     out: str | None = None
     stats_only: bool = False
+    hist: bool = False
     revision: str | None = None
     model_class: str = "AutoModel"
     tokenizer: str | None = None
@@ -102,6 +103,7 @@ _TYPES: dict[str, type] = {
     "exclude": list,
     "inputs": bool,
     "stats_only": bool,
+    "hist": bool,
     "trust_remote_code": bool,
     "train_mode": bool,
     "depth": int,

@@ -61,6 +61,7 @@ def dump_model(
     special_ids: tuple[int, ...] = (),
     backend: Backend | None = None,
     max_inflight: int = DEFAULT_MAX_INFLIGHT,
+    hist: bool = False,
 ) -> Path:
     """Run `model` on `inputs` with the selected modules hooked and stream a dump to `out`.
 
@@ -69,6 +70,7 @@ def dump_model(
     Returns the path written. The file appears only if everything succeeded.
     `backend` (capture/compile.py, ...) runs the model another way; the keys stay the eager keys.
     `max_inflight`: bytes the writer thread may hold copied but not yet written (see `DumpWriter`).
+    `hist`: a fixed-bin histogram per tensor in its statistics (`stats.HIST_EDGES`).
     """
     import torch
 
@@ -84,6 +86,7 @@ def dump_model(
         reserve=4096
         + _RESERVE_PER_MODULE * len(modules) * (1 + (capture_inputs or grads is not None)),
         max_inflight=max_inflight,
+        hist=hist,
     )
     sink = _DeviceLog(writer)
     if grads is not None:

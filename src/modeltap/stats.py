@@ -10,14 +10,18 @@ in `batch_stats` and with the same bits one at a time. The two agree to float32 
 everything runs as queued kernels, exact in float64, ending in one small vector: a CUDA tensor
 costs one transfer of a few numbers (`begin_stats`, then `PendingStats.result`), never one sync
 per statistic.
+
+With `hist=True` each tensor also gets a small fixed-bin histogram (`HIST_EDGES`), counted from
+the same values in the same loop as its moments.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -25,6 +29,14 @@ if TYPE_CHECKING:
 
 # Elements converted to a wider dtype (and reduced) at a time.
 CHUNK_ELEMENTS = 1 << 22
+
+# Histogram bin edges: signed, log-spaced magnitudes, two bins a decade from 1e-6 to 1e4, so that
+# one fixed set of bins serves every tensor of every model and two histograms can be laid side by
+# side. Bin i holds edges[i-1] <= x < edges[i]: bin 0 everything below -1e4 (-inf included), the
+# middle bin -1e-6 <= x < 1e-6 (zeros), the last 1e4 and above (+inf). NaN is counted in `nan` only.
+_MAGNITUDES = tuple(10.0 ** (k / 2) for k in range(-12, 9))
+HIST_EDGES: tuple[float, ...] = (*(-m for m in reversed(_MAGNITUDES)), *_MAGNITUDES)
+HIST_BINS = len(HIST_EDGES) + 1
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,7 @@ class TensorStats:
     zeros: int | None = None
     units: int | None = None
     dead: int | None = None
+    hist: list[int] | None = None  # counts per bin of HIST_EDGES, with --hist
 
     @property
     def absmax(self) -> float | None:
@@ -98,15 +111,21 @@ def tensor_stats(
     dead_threshold: float = 0.0,
     row_mask: torch.Tensor | None = None,
     count_zeros: bool = False,
+    hist: bool = False,
 ) -> TensorStats:
     """Statistics of `tensor`.
 
     Dead units: for a tensor with 2 or more dims a unit is one index of the last dim; it is dead
     when its value is <= `dead_threshold` at every position of the other dims. `row_mask` (bool,
     the shape of the tensor's first two dims, e.g. an attention mask) leaves padded positions out.
+    `hist`: also count the values in the bins of HIST_EDGES (every position, masked or not).
     """
     return begin_stats(
-        tensor, dead_threshold=dead_threshold, row_mask=row_mask, count_zeros=count_zeros
+        tensor,
+        dead_threshold=dead_threshold,
+        row_mask=row_mask,
+        count_zeros=count_zeros,
+        hist=hist,
     ).result()
 
 
@@ -124,12 +143,16 @@ class PendingStats:
     units: int | None = None
     count_zeros: bool = False
     done: TensorStats | None = None
+    hist: torch.Tensor | None = None  # counts per bin, still on the device
 
     def result(self, numbers: list[float] | None = None) -> TensorStats:
         if self.done is None:
             assert self.numbers is not None
             self.done = self._finish(self.numbers.tolist() if numbers is None else numbers)
             self.numbers = None
+            if self.hist is not None:
+                self.done = replace(self.done, hist=self.hist.tolist())
+                self.hist = None
         return self.done
 
     def _finish(self, values: list[float]) -> TensorStats:
@@ -176,6 +199,7 @@ def begin_stats(
     dead_threshold: float = 0.0,
     row_mask: torch.Tensor | None = None,
     count_zeros: bool = False,
+    hist: bool = False,
 ) -> PendingStats:
     """Start the statistics of `tensor`; `.result()` finishes them.
 
@@ -191,10 +215,15 @@ def begin_stats(
     if x.is_complex():
         norm = float(torch.linalg.vector_norm(x.to(torch.complex128)))
         return PendingStats(base, done=TensorStats(**base, norm=norm))
-    options = {"dead_threshold": dead_threshold, "row_mask": row_mask, "count_zeros": count_zeros}
+    options = {
+        "dead_threshold": dead_threshold,
+        "row_mask": row_mask,
+        "count_zeros": count_zeros,
+        "hist": hist,
+    }
     if x.device.type == "cpu":
         if _batchable(x):  # small: the same numbers as among others in batch_stats
-            done = _batched([x], dead_threshold, row_mask, [count_zeros])[0]
+            done = _batched([x], dead_threshold, row_mask, [count_zeros], hist)[0]
             if done is not None:
                 return PendingStats(base, done=done)
         return PendingStats(base, done=_cpu_stats(x, base, **options))
@@ -211,6 +240,7 @@ def batch_stats(
     dead_threshold: float = 0.0,
     row_mask: torch.Tensor | None = None,
     count_zeros: list[bool] | None = None,
+    hist: bool = False,
 ) -> list[TensorStats]:
     """`tensor_stats` of many small CPU tensors at once.
 
@@ -222,7 +252,7 @@ def batch_stats(
     (integers, large or non-CPU tensors), go through `tensor_stats`.
     """
     zeros_wanted = count_zeros or [False] * len(tensors)
-    results = _batched(tensors, dead_threshold, row_mask, zeros_wanted)
+    results = _batched(tensors, dead_threshold, row_mask, zeros_wanted, hist)
     return [
         done
         if done is not None
@@ -231,6 +261,7 @@ def batch_stats(
             dead_threshold=dead_threshold,
             row_mask=row_mask,
             count_zeros=zeros_wanted[i],
+            hist=hist,
         )
         for i, done in enumerate(results)
     ]
@@ -251,6 +282,7 @@ def _batched(
     dead_threshold: float,
     row_mask: torch.Tensor | None,
     zeros_wanted: list[bool],
+    hist: bool = False,
 ) -> list[TensorStats | None]:
     """`batch_stats` of the small float tensors without NaN/Inf; None for the others. A tensor's
     numbers do not depend on the others in the batch (each segment is reduced on its own), so a
@@ -281,6 +313,12 @@ def _batched(
         if any(zeros_wanted[i] for i in batched):
             nonzero = np.add.reduceat(flat != 0, offsets, dtype=np.int64)
         finite = (np.isfinite(means) & np.isfinite(m2)).tolist()
+        hists = None
+        if hist:  # one pass over all segments: bin index offset by the segment's
+            segment = np.repeat(np.arange(len(arrays)) * HIST_BINS, counts)
+            segment += np.searchsorted(_hist_edges(), flat, side="right")
+            hists = np.bincount(segment, minlength=len(arrays) * HIST_BINS)
+            hists = hists.reshape(len(arrays), HIST_BINS).tolist()
         # The per-tensor numbers as _moments_into has them, for all tensors at once.
         stds = np.sqrt(m2 / np.maximum(counts - 1, 1))
         norms = np.sqrt(m2 + counts * means * means)
@@ -303,6 +341,8 @@ def _batched(
             }
             if zeros_wanted[i] and nonzero is not None:
                 result["zeros"] = int(counts[j] - nonzero[j])
+            if hists is not None:
+                result["hist"] = hists[j]
             if len(shape) >= 2:
                 units = shape[-1]
                 rows = arrays[j].reshape(-1, units)
@@ -342,6 +382,7 @@ def _cpu_stats(
     dead_threshold: float,
     row_mask: torch.Tensor | None,
     count_zeros: bool,
+    hist: bool = False,
 ) -> TensorStats:
     """The CPU path: the same reductions as ever, in the same order (the numbers are bit-identical
     to earlier versions'), with everything exact (extremes, counts, the centring) done in numpy:
@@ -360,6 +401,7 @@ def _cpu_stats(
     lo, hi = math.inf, -math.inf
     nan = inf = zeros = 0
     unit_max: Any = None
+    counts = np.zeros(HIST_BINS, dtype=np.int64) if hist else None
     whole = rows.shape[0] <= step
     for start in range(0, rows.shape[0], step):
         chunk = rows if whole else rows[start : start + step]
@@ -369,6 +411,8 @@ def _cpu_stats(
         # Two passes with torch's cascade summation: accurate to ~1e-8 and 10x faster than Welford.
         mean = float(chunk.sum()) / count
         values = chunk.numpy()
+        if counts is not None:
+            _count_bins(counts, values)
         passed = _centered_pass(chunk, values, mean, count_zeros) if math.isfinite(mean) else None
         if passed is not None and math.isfinite(passed[0]):
             m2, chunk_min, chunk_alive, nonzero = passed
@@ -409,6 +453,9 @@ def _cpu_stats(
         result.update(norm=norm, mean=moments.mean, std=std, min=lo, max=hi)
     if count_zeros:
         result["zeros"] = zeros
+    if counts is not None:
+        counts[-1] -= nan  # NaN sorts last: the top bin took them
+        result["hist"] = counts.tolist()
     if x.dim() >= 2:
         # Compared in the working dtype (float32 for narrower ones), as torch compares a tensor
         # with a Python float.
@@ -483,6 +530,7 @@ def _device_stats(
     dead_threshold: float,
     row_mask: torch.Tensor | None,
     count_zeros: bool,
+    hist: bool = False,
 ) -> PendingStats:
     """Exact statistics as queued kernels ending in one float64 vector: masked for NaN/Inf,
     centred, float64; no host sync."""
@@ -492,11 +540,18 @@ def _device_stats(
     keep = _rows_to_keep(x, row_mask) if units else None
     pieces: list[torch.Tensor] = []
     unit_max: torch.Tensor | None = None
+    bins: torch.Tensor | None = None
+    edges = torch.tensor(_hist_edges(), dtype=torch.float64, device=x.device) if hist else None
     chunks = 0
     for start, chunk in _chunks(x, units):
         chunks += 1
         values = chunk.to(torch.float64)
         finite = torch.isfinite(values)
+        if edges is not None:  # NaN goes to one more bin, dropped at the end
+            index = torch.bucketize(values, edges, right=True)
+            index.masked_fill_(values.isnan(), HIST_BINS)
+            counted = torch.bincount(index.reshape(-1), minlength=HIST_BINS + 1)
+            bins = counted if bins is None else bins + counted
         n = finite.sum()
         nan = torch.isnan(values).sum()
         mean = torch.where(finite, values, 0.0).sum() / n.clamp(min=1)
@@ -523,7 +578,9 @@ def _device_stats(
     if unit_max is not None:
         pieces.append((unit_max <= dead_threshold).sum())
     numbers = torch.stack([p.to(torch.float64) for p in pieces])
-    return PendingStats(base, numbers, chunks, units, count_zeros)
+    pending = PendingStats(base, numbers, chunks, units, count_zeros)
+    pending.hist = None if bins is None else bins[:HIST_BINS]
+    return pending
 
 
 def _rows_to_keep(x: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -544,6 +601,7 @@ def final_stats(
     dead_threshold: float = 0.0,
     row_mask: torch.Tensor | None = None,
     count_zeros: bool = False,
+    hist: bool = False,
 ) -> TensorStats:
     """`tensor_stats` in one read of a CPU float tensor: block by block, each block's sum, centred
     square sum, min and per-unit max while it is in cache, blocks combined in float64 (Chan).
@@ -557,7 +615,12 @@ def final_stats(
     import torch
 
     x = tensor.detach()
-    options = {"dead_threshold": dead_threshold, "row_mask": row_mask, "count_zeros": count_zeros}
+    options = {
+        "dead_threshold": dead_threshold,
+        "row_mask": row_mask,
+        "count_zeros": count_zeros,
+        "hist": hist,
+    }
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or not x.numel():
         return tensor_stats(x, **options)
     units = x.shape[-1] if x.dim() >= 2 else 1
@@ -571,6 +634,7 @@ def final_stats(
     lo, hi = math.inf, -math.inf
     unit_max: Any = None
     nonzero = 0
+    counts = np.zeros(HIST_BINS, dtype=np.int64) if hist else None
     for start in range(0, rows, step):
         part = values[start : start + step]
         flat = part.ravel()  # a view: one pairwise sum over the whole block
@@ -594,6 +658,8 @@ def final_stats(
             unit_max = block_max if unit_max is None else np.maximum(unit_max, block_max)
         if count_zeros:
             nonzero += int(np.count_nonzero(part))
+        if counts is not None:
+            _count_bins(counts, part)
     if not math.isfinite(moments.m2):  # a square overflowed the dtype
         return tensor_stats(x, **options)
     result: dict[str, Any] = {
@@ -606,9 +672,26 @@ def final_stats(
     _moments_into(result, moments, lo, hi)
     if count_zeros:
         result["zeros"] = x.numel() - nonzero
+    if counts is not None:
+        result["hist"] = counts.tolist()
     if x.dim() >= 2:
         dead = units
         if unit_max is not None:
             dead = int(np.count_nonzero(unit_max <= unit_max.dtype.type(dead_threshold)))
         result.update(units=units, dead=dead)
     return TensorStats(**result)
+
+
+@functools.cache
+def _hist_edges() -> Any:
+    import numpy as np
+
+    return np.array(HIST_EDGES, dtype=np.float64)
+
+
+def _count_bins(counts: Any, values: Any) -> None:
+    """Add the bin counts of a numpy array (any shape) to `counts`; NaN lands in the top bin."""
+    import numpy as np
+
+    index = np.searchsorted(_hist_edges(), values.reshape(-1), side="right")
+    counts += np.bincount(index, minlength=HIST_BINS)

@@ -20,6 +20,7 @@ from modeltap.cli.options import (
     DTypeOpt,
     EqualNanOpt,
     ExcludeOpt,
+    HtmlOpt,
     IncludeOpt,
     InputFileOpt,
     JsonOpt,
@@ -134,6 +135,7 @@ def compare_command(
     stats_only: StatsOnlyOpt = None,
     json_out: JsonOpt = False,
     junit: JunitOpt = None,
+    html: HtmlOpt = None,
     show_all: Annotated[
         bool, typer.Option("--all", help="List every module.", rich_help_panel=OUTPUT)
     ] = False,
@@ -225,6 +227,10 @@ def compare_command(
     )
     if junit is not None:
         check_writable(junit, "--junit")
+    if html is not None:
+        from modeltap.cli.report import check_html_target
+
+        check_html_target(html)
     work = _out_dir(s.out_dir)
 
     report = _run(s, variant, options, work)
@@ -241,6 +247,12 @@ def compare_command(
             if report.module_of(p) == m.name
         }
         write_atomically(junit, junit_xml(report.cumulative, name="modeltap compare", notes=notes))
+    if html is not None:
+        from modeltap.cli.report import invocation, write_html
+        from modeltap.render.report import compare_page
+
+        command = invocation("compare", ["--html", str(html)])
+        write_html(html, compare_page(report.to_json(), command=command))
     if json_out:
         print(json.dumps(report.to_json(), indent=1))
     else:

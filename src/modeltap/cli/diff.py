@@ -17,6 +17,7 @@ from modeltap.cli.options import (
     ConfigOpt,
     EqualNanOpt,
     ExcludeOpt,
+    HtmlOpt,
     JsonOpt,
     JunitOpt,
     MapOpt,
@@ -67,6 +68,7 @@ def diff_command(
     ] = False,
     json_out: JsonOpt = False,
     junit: JunitOpt = None,
+    html: HtmlOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """Compare two dumps; exit 0 when every tensor is within tolerance, 1 when not."""
@@ -90,6 +92,10 @@ def diff_command(
         s.upcast = True  # a preset made for comparing across dtypes; --no-upcast still wins
     if junit is not None:
         check_writable(junit, "--junit")
+    if html is not None:
+        from modeltap.cli.report import check_html_target
+
+        check_html_target(html)
     overrides = [(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()]
     report = diff_dumps(
         a,
@@ -105,6 +111,12 @@ def diff_command(
     )
     if junit is not None:
         write_atomically(junit, junit_xml(report))
+    if html is not None:
+        from modeltap.cli.report import invocation, write_html
+        from modeltap.render.report import diff_page
+
+        command = invocation("diff", [str(a), str(b), "--html", str(html)])
+        write_html(html, diff_page(report, command=command))
     if json_out:
         print(json.dumps(report.to_json(), indent=1))
     else:

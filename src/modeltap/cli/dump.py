@@ -23,6 +23,7 @@ from modeltap.cli.options import (
     ExcludeOpt,
     FullgraphOpt,
     GradOutputOpt,
+    HistOpt,
     IncludeOpt,
     InputFileOpt,
     JsonOpt,
@@ -65,6 +66,7 @@ def dump(
     ] = None,
     out: OutOpt = None,
     stats_only: StatsOnlyOpt = None,
+    hist: HistOpt = None,
     json_out: JsonOpt = False,
     revision: RevisionOpt = None,
     model_class: ModelClassOpt = None,
@@ -118,6 +120,7 @@ def dump(
         inputs=inputs,
         out=str(out) if out else None,
         stats_only=stats_only,
+        hist=hist,
         revision=revision,
         model_class=model_class,
         tokenizer=tokenizer,
@@ -299,6 +302,7 @@ def run_dump(
             special_ids=tuple(getattr(tok, "all_special_ids", ())),
             backend=backend,
             max_inflight=s.max_inflight_mb << 20,
+            hist=s.hist,
         )
     from modeltap.cli.show import print_opened
     from modeltap.dump import load_dump

@@ -135,6 +135,15 @@ StatsOnlyOpt = Annotated[
         rich_help_panel=OUTPUT,
     ),
 ]
+HistOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--hist/--no-hist",
+        help="Also store a 43-bin histogram of each tensor's values (signed, log-spaced "
+        "from 1e-6 to 1e4) with its statistics, for `modeltap report`.",
+        rich_help_panel=OUTPUT,
+    ),
+]
 TokenizerOpt = Annotated[
     str | None,
     typer.Option(
@@ -299,6 +308,15 @@ JunitOpt = Annotated[
     Path | None,
     typer.Option(
         help="Also write JUnit XML, one test case per tensor.",
+        metavar="FILE",
+        rich_help_panel=OUTPUT,
+    ),
+]
+HtmlOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--html",
+        help="Also write the report as one self-contained HTML page (see `modeltap report`).",
         metavar="FILE",
         rich_help_panel=OUTPUT,
     ),

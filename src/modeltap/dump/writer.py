@@ -154,10 +154,12 @@ class DumpWriter:
         row_mask: torch.Tensor | None = None,
         reserve: int = 1 << 16,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        hist: bool = False,
     ) -> None:
         self.path = write_target(Path(path))
         check_writable(self.path)
         self.stats_only = stats_only
+        self.hist = hist  # a histogram per tensor in its statistics (stats.HIST_EDGES)
         self.dead_threshold = dead_threshold
         self.row_mask = row_mask
         # A mask that keeps every row changes nothing: checked once here, not once per tensor;
@@ -222,6 +224,7 @@ class DumpWriter:
             "dead_threshold": self.dead_threshold,
             "row_mask": self._stats_mask,
             "count_zeros": count_zeros,
+            "hist": self.hist,
         }
         if final and self.stats_only and x.device.type == "cpu":
             with self._lock:
@@ -284,6 +287,7 @@ class DumpWriter:
             dead_threshold=self.dead_threshold,
             row_mask=self._stats_mask,
             count_zeros=[options["count_zeros"] for _, _, options, _ in self._deferred],
+            hist=self.hist,
         )
         for (key, x, _, position), stats in zip(self._deferred, computed, strict=True):
             self.stats[key] = stats

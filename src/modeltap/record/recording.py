@@ -75,6 +75,7 @@ class Recording:
         gather: bool = False,
         dead_threshold: float = 0.0,
         start_step: int = 0,
+        hist: bool = False,
     ) -> None:
         if not isinstance(every, int) or every < 1:
             raise InputError(f"every must be a whole number of steps >= 1, got {every!r}")
@@ -98,6 +99,7 @@ class Recording:
         self.rules: list[RuleFn] = list(default_rules() if rules is None else rules)
         self.gather = gather
         self.dead_threshold = dead_threshold
+        self.hist = hist
         self.hits: list[RuleHit] = []
         self.trips: list[Trip] = []
         self.step_index = start_step
@@ -235,7 +237,8 @@ class Recording:
             self.out_dir / step_file_name(self.step_index, self.rank.rank),
             stats_only=not full,
             dead_threshold=self.dead_threshold,
-            reserve=8192 + _RESERVE_PER_KEY * keys,
+            reserve=8192 + (_RESERVE_PER_KEY + 384 * self.hist) * keys,  # 43 counts a key
+            hist=self.hist,
         )
         writer.__enter__()
         self._writer = writer
@@ -575,7 +578,7 @@ class Recording:
             self._writer = None
             self._recorder = None
         path = self.out_dir / step_file_name(self.step_index, self.rank.rank)
-        with DumpWriter(path, dead_threshold=self.dead_threshold) as writer:
+        with DumpWriter(path, dead_threshold=self.dead_threshold, hist=self.hist) as writer:
             recorder = Recorder(writer)
             fill(writer, recorder)
             order = [*recorder.order, *(k for k in writer.stats if k.startswith(GRAD_PREFIX))]
@@ -674,6 +677,7 @@ def record(
     gather: bool = False,
     dead_threshold: float = 0.0,
     start_step: int = 0,
+    hist: bool = False,
 ) -> Recording:
     """Record `model` inside a training loop: `with record(model, "runs/x") as rec: ... rec.step()`.
 
@@ -685,6 +689,7 @@ def record(
     (default: `rules.default_rules()`); hits go to the index, the step file and the
     `modeltap.record` logger, and `step()` returns them. Under torchrun each rank writes its own
     files; `gather=True` writes sharded (DTensor) tensors whole, on rank 0 only.
+    `hist`: each step file's statistics get a fixed-bin histogram per tensor (`stats.HIST_EDGES`).
     """
     return Recording(
         model,
@@ -702,4 +707,5 @@ def record(
         gather=gather,
         dead_threshold=dead_threshold,
         start_step=start_step,
+        hist=hist,
     )

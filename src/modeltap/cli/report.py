@@ -1,0 +1,174 @@
+"""`modeltap report`: one self-contained HTML page of a dump, a diff, a compare or a run."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from modeltap.cli.app import app, handle_errors, settings, stderr
+from modeltap.cli.options import (
+    KEYS,
+    OUTPUT,
+    TOL,
+    AtolOpt,
+    ConfigOpt,
+    EqualNanOpt,
+    ExcludeOpt,
+    MapOpt,
+    PresetOpt,
+    RtolOpt,
+)
+from modeltap.errors import InputError
+
+
+def invocation(command: str, args: list[str]) -> str:
+    """The command line that made a page, for its footer: the real one when run as `modeltap`,
+    else the command and its arguments as this process received them."""
+    if Path(sys.argv[0]).name in ("modeltap", "__main__.py"):
+        return shlex.join(["modeltap", *sys.argv[1:]])
+    return shlex.join(["modeltap", command, *args])
+
+
+def write_html(path: Path, page: Any) -> None:
+    """Render and write a page atomically (a failure leaves nothing at `path`)."""
+    from modeltap.render.report import render, write_page
+
+    write_page(path, render(page))
+
+
+def check_html_target(path: Path, option: str = "--html") -> None:
+    """Before any work: the report extra is installed and `path` can be written."""
+    from modeltap.dump import check_writable
+    from modeltap.render.report import require
+
+    require()
+    check_writable(path, option)
+
+
+@app.command("report")
+@handle_errors
+def report_command(
+    inputs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="A dump; two dumps A B (a diff, with the options of `modeltap diff`); a "
+            "`compare --json` report (.json); or a run folder written by modeltap.record.",
+            metavar="INPUT...",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="HTML file [default: <first input's name>.html].",
+            metavar="FILE",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
+    atol: AtolOpt = None,
+    rtol: RtolOpt = None,
+    preset: PresetOpt = None,
+    map_: MapOpt = None,
+    include: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--include", "-i", help="Key glob; repeatable.", metavar="GLOB", rich_help_panel=KEYS
+        ),
+    ] = None,
+    exclude: ExcludeOpt = None,
+    equal_nan: EqualNanOpt = None,
+    upcast: Annotated[
+        bool | None,
+        typer.Option(
+            "--upcast/--no-upcast",
+            help="Compare tensors of different dtypes, in float32 when both fit, else float64.",
+            rich_help_panel=TOL,
+        ),
+    ] = None,
+    strict: Annotated[
+        bool | None,
+        typer.Option(
+            "--strict/--lenient", help="Keys on one side only fail too.", rich_help_panel=KEYS
+        ),
+    ] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Write one self-contained HTML page (opens offline) of a dump, a diff, a compare or a run."""
+    if len(inputs) > 2:
+        raise InputError(
+            f"{len(inputs)} inputs; give one (a dump, a compare .json or a run folder) or two "
+            "dumps to diff"
+        )
+    first = inputs[0]
+    target = out or Path(first.resolve().name + ".html")
+    check_html_target(target)
+    command = invocation("report", [str(p) for p in inputs] + ["-o", str(target)])
+    if len(inputs) == 2:
+        page = _diff_page(
+            inputs[0],
+            inputs[1],
+            command,
+            config=config,
+            atol=atol,
+            rtol=rtol,
+            preset=preset,
+            map=map_ or [],
+            include=include or [],
+            exclude=exclude or [],
+            equal_nan=equal_nan,
+            upcast=upcast,
+            strict=strict,
+        )
+    elif first.is_dir():
+        from modeltap.record.index import read_run
+        from modeltap.render.report import run_page
+
+        page = run_page(read_run(first), command=command)
+    elif first.suffix == ".json":
+        from modeltap.render.report import compare_page, read_compare_json
+
+        if not first.is_file():
+            raise InputError(f"no file '{first}'; check the path")
+        page = compare_page(read_compare_json(first), command=command)
+    else:
+        from modeltap.dump import load_dump
+        from modeltap.render.report import dump_page
+
+        page = dump_page(load_dump(first), command=command)
+    write_html(target, page)
+    stderr().print(f"wrote {target}")
+
+
+def _diff_page(a: Path, b: Path, command: str, *, config: Path | None, **flags: Any) -> Any:
+    from modeltap.config import tolerance_values
+    from modeltap.diff import Tolerance, diff_dumps
+    from modeltap.render.report import diff_page
+
+    atol, rtol = flags.pop("atol"), flags.pop("rtol")
+    s = settings("diff", config, **flags)
+    values = tolerance_values(s, atol=atol, rtol=rtol, preset=s.preset)
+    overrides = [(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()]
+    report = diff_dumps(
+        a,
+        b,
+        tolerance=Tolerance(**values),
+        overrides=overrides,
+        rename=s.map,
+        include=s.include,
+        exclude=s.exclude,
+        equal_nan=s.equal_nan,
+        upcast=s.upcast,
+        strict=s.strict,
+    )
+    if not report.pairs:
+        raise InputError(
+            f"'{a}' and '{b}' have no key in common; check that they come from the same "
+            "model, or match names with --map OLD=NEW"
+        )
+    return diff_page(report, command=command)

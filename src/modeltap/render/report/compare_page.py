@@ -1,0 +1,156 @@
+"""The compare page: per module the local error (introduced by its own code, from the replay)
+beside the cumulative error (inherited from upstream, from the diff), origins highlighted, the
+module tree coloured by local error, and the replay notes. Built from the report's JSON form, so
+`compare --html` and `modeltap report compare.json` draw the same page."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from modeltap.compare.report import REPORT_SCHEMA as COMPARE_SCHEMA  # the one this page reads
+from modeltap.errors import InputError, first_line
+from modeltap.render.report.page import OKABE_ITO, Page, Section, cividis, fmt, layout, positive
+from modeltap.render.tree import _module_tree, _Node, _relative
+
+TREE_COLUMNS = ["module", "verdict", "local error", "cumulative error", "replay", "note"]
+
+
+def read_compare_json(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The report that `modeltap compare --json` printed, checked for its schema version."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise InputError(
+            f"'{p}' is not a readable JSON file ({first_line(exc)}); give the output of "
+            "`modeltap compare --json`"
+        ) from None
+    schema = data.get("schema") if isinstance(data, dict) else None
+    if schema != COMPARE_SCHEMA:
+        raise InputError(
+            f"'{p}' has report schema {schema!r}, not {COMPARE_SCHEMA!r} that this modeltap "
+            "reads; write it again with this modeltap's `compare --json`"
+        )
+    return data
+
+
+def _error(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _tree_rows(modules: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_name = {m["module"]: m for m in modules}
+    errors = [positive(m.get("local_error")) for m in modules]
+    logs = [math.log10(e) for e in errors if e is not None]
+    low, high = (min(logs), max(logs)) if logs else (0.0, 0.0)
+    rows: list[dict[str, Any]] = []
+
+    def walk(nodes: list[_Node], parent: str | None, parent_id: str, depth: int) -> None:
+        for node in nodes:
+            m = by_name.get(node.module, {})
+            local = _error(m.get("local_error"))
+            style = ""
+            if local is not None and local > 0 and math.isfinite(local):
+                share = (math.log10(local) - low) / (high - low) if high > low else 1.0
+                text = "#000" if share > 0.5 else "#fff"
+                style = f"background: {cividis(share)}; color: {text}"
+            elif local is not None and math.isinf(local):
+                style = f"background: {cividis(1.0)}; color: #000"
+            verdict = m.get("verdict", "")
+            row_id = f"r{len(rows)}"
+            rows.append({
+                "id": row_id, "parent": parent_id, "depth": depth, "name": node.module,
+                "label": _relative(node.module, parent) if parent is not None else node.module,
+                "children": bool(node.children), "hist": None,
+                "class": "origin" if verdict == "origin" else "",
+                "cells": [verdict, fmt(local), fmt(_error(m.get("cumulative_error"))),
+                          m.get("replay") or "", m.get("replay_note") or m.get("note") or ""],
+                "styles": ["", style, "", "", ""],
+            })  # fmt: skip
+            walk(node.children, node.module, row_id, depth + 1)
+
+    walk(_module_tree([m["module"] for m in modules]), None, "", 0)
+    return rows
+
+
+def _few(names: list[str], shown: int = 5) -> str:
+    """The first names (largest local error first), and how many more the tree marks."""
+    if not names:
+        return "none"
+    more = f" (+{len(names) - shown} more, bold in the tree)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def compare_page(data: dict[str, Any], *, command: str = "") -> Page:
+    """The page of a compare report (`CompareReport.to_json()` or `compare --json` output)."""
+    modules = data.get("modules", [])
+    reference = data.get("reference", {})
+    candidate = data.get("candidate", {})
+    title = f"modeltap compare: {reference.get('model', '?')}"
+    page = Page(title, "compare", command=command)
+    origins = data.get("origins", [])
+    passed = bool(data.get("passed"))
+    page.summary = [
+        ("verdict", "PASS" if passed else "FAIL", "ok" if passed else "bad"),
+        ("reference", ", ".join(f"{k} {v}" for k, v in reference.items()), ""),
+        ("candidate", ", ".join(f"{k} {v}" for k, v in candidate.items()), ""),
+        ("preset", str(data.get("preset")), ""),
+        ("origins", _few([o["module"] for o in origins]), "bad" if origins else "ok"),
+        ("first divergence", str(data.get("first_divergence") or "none"), ""),
+        ("modules", str(len(modules)), ""),
+    ]
+    x = [m["module"] for m in modules]
+    local = [positive(m.get("local_error")) for m in modules]
+    cumulative = [positive(m.get("cumulative_error")) for m in modules]
+    hover = [f"{m['module']}<br>verdict {m.get('verdict')}<br>local {fmt(m.get('local_error'))}"
+             f"<br>cumulative {fmt(m.get('cumulative_error'))}" for m in modules]  # fmt: skip
+    origin_at = [i for i, m in enumerate(modules) if m.get("verdict") == "origin"]
+    common = {"type": "bar", "x": x, "hovertext": hover, "hoverinfo": "text"}
+    data_traces = [
+        {**common, "name": "local error (introduced by the module's own code)", "y": local,
+         "marker": {"color": OKABE_ITO[0]}},
+        {**common, "name": "cumulative error (with what it inherited)", "y": cumulative,
+         "marker": {"color": OKABE_ITO[1]}},
+    ]  # fmt: skip
+    if origin_at:
+        data_traces.append({
+            "type": "scatter", "mode": "markers", "name": "origin", "x": [x[i] for i in origin_at],
+            "y": [local[i] for i in origin_at], "hoverinfo": "x+name",
+            "marker": {"symbol": "star", "size": 14, "color": OKABE_ITO[3]},
+        })  # fmt: skip
+    page.figures["compare-errors"] = {"data": data_traces, "layout": layout(
+        "Local against cumulative error per module (in the reference's order)",
+        "module", "max |a−b| / max |b| (log scale)", log_y=True, barmode="group", height=420,
+        xaxis={"type": "category", "automargin": True, "tickangle": -60,
+               "tickfont": {"size": 9}, "title": {"text": "module"}},
+        legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1, "xanchor": "right"},
+    )}  # fmt: skip
+    page.sections.append(Section(
+        "charts", "Introduced or inherited", charts=["compare-errors"],
+        note="Local error: the module replayed on the reference's inputs with its selected "
+        "children short-circuited to the reference's outputs. Cumulative error: its output in the "
+        "full candidate run. A star marks an origin (local error out of tolerance).",
+    ))  # fmt: skip
+    page.sections.append(Section(
+        "tree", "Module tree, coloured by local error", columns=TREE_COLUMNS,
+        rows=_tree_rows(modules),
+        note="The local-error cell is coloured on a log scale (cividis: dark = smallest, yellow "
+        "= largest); origins are bold.",
+    ))  # fmt: skip
+    notes = []
+    replay = data.get("replay", {})
+    if replay.get("note"):
+        notes.append(f"replay: {replay['note']}")
+    notes += [f"{name}: replayed in full ({why})" for name, why in
+              data.get("full_replay", {}).items()]  # fmt: skip
+    notes += [f"{name}: not compared ({why})" for name, why in
+              data.get("not_compared", {}).items()]  # fmt: skip
+    notes += [f"warning: {w}" for w in data.get("warnings", [])]
+    notes += [f"{m['module']}: {m['note']}" for m in modules if m.get("note")]
+    if notes:
+        page.sections.append(Section("notes", "Replay notes", items=notes))
+    return page
