@@ -202,6 +202,10 @@ def test_grad_scaler_skipped_step_is_reported_and_grads_unscaled(tmp_path: Path)
             opt.zero_grad()
             rec.step()
     assert stepped[0] is False and all(stepped[1:])  # the scaler skipped step 0 only
+    # The autocast forward is recorded in the dtype it ran in.
+    assert load_dump(tmp_path / "run" / "step000001.rank0.safetensors").stats_for("0").dtype == (
+        "bfloat16"
+    )
     assert rec.skipped == [0]
     index = read_run(tmp_path / "run").ranks[0]
     assert index.skipped == [0]
@@ -387,3 +391,37 @@ def test_show_run_never_cuts_a_number_nor_a_name_end(tmp_path: Path, width: int)
     for name, shown in zip(last["updates"], names, strict=True):
         head, _, tail = shown.partition("…")
         assert name.startswith(head) and name.endswith(tail)
+
+
+def test_accelerate_recipe_records_optimizer_steps(tmp_path: Path) -> None:
+    """The README's Accelerate recipe: `record` around the loop, `rec.step()` when the
+    accelerator synchronised gradients (an optimizer step), with its GradScaler if any."""
+    from accelerate import Accelerator
+
+    import modeltap
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4))
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    grads_seen = {}
+    with modeltap.record(
+        model, tmp_path / "run", every=2, full_every=2, scaler=accelerator.scaler
+    ) as rec:
+        for (x,) in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(x).square().mean())
+                if accelerator.sync_gradients:
+                    grads_seen[rec.step_index] = model[0].weight.grad.clone()
+                opt.step()
+                opt.zero_grad()
+            if accelerator.sync_gradients:
+                rec.step()
+    index = read_run(tmp_path / "run").ranks[0]
+    assert [s["step"] for s in index.steps] == [0, 2]  # 8 batches, 2 per step: steps 0..3
+    dump = load_dump(tmp_path / "run" / "step000002.rank0.safetensors")
+    assert {"0", "0@1"} <= set(dump.order) and "0@2" not in dump.order
+    torch.testing.assert_close(dump["grad/0.weight"], grads_seen[2], rtol=0, atol=0)
