@@ -425,3 +425,83 @@ def test_accelerate_recipe_records_optimizer_steps(tmp_path: Path) -> None:
     dump = load_dump(tmp_path / "run" / "step000002.rank0.safetensors")
     assert {"0", "0@1"} <= set(dump.order) and "0@2" not in dump.order
     torch.testing.assert_close(dump["grad/0.weight"], grads_seen[2], rtol=0, atol=0)
+
+
+FACTORY = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Noisy(nn.Module):
+    """Dropout, then a linear map: which outputs an inf weight turns into NaN (inf * 0) or Inf
+    depends on the dropout mask, so a replay without the call's RNG state does not reproduce it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x, scale=1.0):
+        return F.linear(F.dropout(x, 0.5, self.training), self.weight) * scale
+
+
+def make():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Noisy(), nn.Linear(8, 2))
+'''
+
+
+def test_replay_reproduces_a_nan_from_the_step_file_alone(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import modeltap
+    from modeltap.record import NonFiniteError
+
+    (tmp_path / "tripmodel.py").write_text(FACTORY)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import tripmodel
+    finally:
+        sys.path.remove(str(tmp_path))
+    model = tripmodel.make().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as caught:
+        with modeltap.record(model, tmp_path / "run", every=5, on_nonfinite="dump") as rec:
+            for step in range(10):
+                if step == 7:
+                    with torch.no_grad():
+                        model[2].weight[3, 1] = float("inf")
+                model(torch.randn(6, 4, generator=generator)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                rec.step()
+    assert caught.value.trip.step == 7 and caught.value.trip.module == "2"
+    dump = load_dump(tmp_path / "run" / "step000007.rank0.safetensors")
+    flight = json.loads(dump.metadata["flight"])
+    assert flight["module"] == "2" and flight["rng"] == ["cpu"] and flight["training"]
+    trend = json.loads(dump.metadata["trend"])
+    assert [t["step"] for t in trend] == [0, 5]  # the recorded steps before the trip
+    recorded = dump["2"]
+    assert torch.isnan(recorded).any() and torch.isinf(recorded).any()
+
+    # In a new process, from the step file alone: the same NaN and Inf positions.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    command = [sys.executable, "-m", "modeltap", "replay", "run", "tripmodel:make", "--step"]
+    done = subprocess.run([*command, "7"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("REPRODUCED  step 7 rank 0: module '2' (Noisy)")
+    assert "parameter weight: 8×8 float32, 0 NaN / 1 Inf" in done.stdout
+
+    # The dropout mask matters: the same call with another RNG state gives other positions,
+    # so the replay above reproduced them only through the recorded state.
+    noisy = tripmodel.make()[2].train()
+    noisy.weight.data = dump["flight/param/weight"]
+    torch.manual_seed(123)
+    other = noisy(dump["flight/arg/0"])
+    assert not torch.equal(torch.isnan(other), torch.isnan(recorded))
+
+    # A step without a trip is a one-line error.
+    done = subprocess.run([*command, "5"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("error: step 5 of 'run' did not trip")

@@ -13,6 +13,7 @@ written to its own `eval{N:06d}.rank{R}.safetensors` (N: the last training step 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -91,6 +92,7 @@ class Recording:
         scaler: Any = None,
         resume: bool = False,
         overwrite: bool = False,
+        keep_last: int = 8,
     ) -> None:
         if not isinstance(every, int) or every < 1:
             raise InputError(f"every must be a whole number of steps >= 1, got {every!r}")
@@ -104,6 +106,8 @@ class Recording:
             raise InputError(f"eval_batches must be None or >= 1, got {eval_batches!r}")
         if resume and overwrite:
             raise InputError("resume=True and overwrite=True exclude each other; pick one")
+        if not isinstance(keep_last, int) or keep_last < 0:
+            raise InputError(f"keep_last must be a number of steps >= 0, got {keep_last!r}")
         self.out_dir = Path(out_dir)
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise InputError(f"'{self.out_dir}' is a file; give record() a folder for the run")
@@ -127,6 +131,8 @@ class Recording:
         self.resume = resume
         self.overwrite = overwrite
         self.skipped: list[int] = []  # steps a GradScaler skipped (inf/NaN gradients)
+        # The last recorded steps' summaries, carried by a trip's file as the trend before it.
+        self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep_last)
         self.rank = dist.RankInfo()
         self._modules: list[str] = select_modules(self.model, self.selection)
         self._by_name = {(n or ROOT): m for n, m in self.model.named_modules()}
@@ -171,9 +177,10 @@ class Recording:
             self._handles.append(root.register_forward_pre_hook(self._before_forward))
             for name in self._modules:
                 hook = self._forward_hook(name)
-                self._handles.append(
-                    self._by_name[name].register_forward_hook(hook, with_kwargs=True)
-                )
+                module = self._by_name[name]
+                if self.on_nonfinite.startswith("dump"):
+                    self._handles.append(module.register_forward_pre_hook(self._rng_hook(name)))
+                self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
             # Registered last, so that it runs after the root's own capture hook.
             self._handles.append(root.register_forward_hook(self._after_forward))
             self._handles.append(register_optimizer_step_pre_hook(self._before_optimizer))
@@ -265,6 +272,8 @@ class Recording:
         self._optimizer_stepped = False
         self._step_skipped = False
         self._grad_scale: float | None = None
+        # RNG states at each hooked call of this step, for the flight record ("dump" only).
+        self._rng: dict[tuple[str, int], dict[str, Any]] = {}
 
     def _begin_step(self) -> None:
         self._reset_step_state()
@@ -300,15 +309,15 @@ class Recording:
             logger.warning("%s", hit)
         self.hits += hits
         assert self._index is not None
+        keys = {k: summary(s, gradient=k.startswith(GRAD_PREFIX)) for k, s in writer.stats.items()}
+        self._recent.append({"step": self.step_index, "keys": keys})
         self._index.write(
             "step",
             step=self.step_index,
             rank=self.rank.rank,
             file=path.name,
             full=not writer.stats_only,
-            keys={
-                k: summary(s, gradient=k.startswith(GRAD_PREFIX)) for k, s in writer.stats.items()
-            },
+            keys=keys,
             aliases=writer.aliases,
             updates=self._updates,
             hits=[h.to_json() for h in hits],
@@ -506,6 +515,22 @@ class Recording:
                 aliases=writer.aliases,
             )
 
+    def _rng_hook(self, name: str) -> Callable[..., None]:
+        """A forward pre-hook keeping the RNG states a training call starts from."""
+        import torch
+
+        from modeltap.record.flight import rng_states
+
+        grad_enabled = torch.is_grad_enabled
+        model = self.model
+
+        def hook(module: nn.Module, args: Any) -> None:
+            watch = self._watch
+            if watch is not None and model.training and grad_enabled():
+                self._rng[(name, watch.counts.get(name, 0))] = rng_states(module)
+
+        return hook
+
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         watch = self._watch
         if watch is not None and watch.calls and watch.forward_checked and not watch.grad_flags:
@@ -532,6 +557,7 @@ class Recording:
             return
         found = watch.find_forward()
         if found is None:
+            self._rng = {}
             if not self.on_nonfinite.startswith("dump"):
                 watch.let_go()
             return
@@ -762,7 +788,14 @@ class Recording:
             params=_nonfinite_params(call.module),
             propagated=propagated,
         )
-        trip.file = self._trip_dump(trip, lambda writer, rec: self._dump_forward(rec, call))
+        def fill(writer: DumpWriter, recorder: Recorder) -> None:
+            from modeltap.record import flight
+
+            self._dump_forward(recorder, call)
+            rng = self._rng.get((call.name, call.call))
+            self._flight = flight.write(writer, call, rng, trip.key)
+
+        trip.file = self._trip_dump(trip, fill)
         return trip
 
     def _backward_trip(self, shape: Shape, slot: int, propagated: bool) -> Trip:
@@ -814,6 +847,7 @@ class Recording:
             self._writer = None
             self._recorder = None
         path = self.out_dir / step_file_name(self.step_index, self.rank.rank)
+        self._flight: dict[str, Any] | None = None
         with DumpWriter(path, dead_threshold=self.dead_threshold) as writer:
             recorder = Recorder(writer)
             fill(writer, recorder)
@@ -828,6 +862,8 @@ class Recording:
                     "skipped_none": str(recorder.skipped_none),
                     "record": json.dumps(self._settings()),
                     "tripwire": json.dumps(trip.to_json()),
+                    **({"trend": json.dumps(list(self._recent))} if self._recent else {}),
+                    **({"flight": json.dumps(self._flight)} if self._flight else {}),
                 }
             )
         return path.name
@@ -936,6 +972,7 @@ def record(
     scaler: Any = None,
     resume: bool = False,
     overwrite: bool = False,
+    keep_last: int = 8,
 ) -> Recording:
     """Record `model` inside a training loop: `with record(model, "runs/x") as rec: ... rec.step()`.
 
@@ -955,6 +992,9 @@ def record(
     it skips for inf/NaN gradients is reported as skipped (index, `show`), not as a trip.
     A folder that already holds a run is refused unless `resume=True` (continue after its last
     recorded step, same options) or `overwrite=True` (its files are removed first).
+    With `on_nonfinite="dump"`, a forward trip's file is also a flight record (see
+    `modeltap.record.flight`) that `modeltap replay` re-runs, and it carries the statistics of
+    the last `keep_last` recorded steps as `trend` metadata.
     """
     return Recording(
         model,
@@ -977,4 +1017,5 @@ def record(
         scaler=scaler,
         resume=resume,
         overwrite=overwrite,
+        keep_last=keep_last,
     )
