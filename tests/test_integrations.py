@@ -492,6 +492,8 @@ def test_replay_reproduces_a_nan_from_the_step_file_alone(tmp_path: Path) -> Non
     done = subprocess.run([*command, "7"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("REPRODUCED  step 7 rank 0: module '2' (Noisy)")
+    nan, inf = int(torch.isnan(recorded).sum()), int(torch.isinf(recorded).sum())
+    assert f"{nan} NaN / {inf} Inf on replay, {nan} NaN / {inf} Inf recorded" in done.stdout
     assert "parameter weight: 8×8 float32, 0 NaN / 1 Inf" in done.stdout
 
     # The dropout mask matters: the same call with another RNG state gives other positions,

@@ -80,9 +80,10 @@ def replay(
             f"{rank}: module '{result.module}' ({result.module_class}) re-run alone from "
             f"{result.file.name}"
         )
+        again, before = result.replayed, result.recorded
         out.print(
-            f"output {result.output}: {result.replayed_bad} non-finite on replay, "
-            f"{result.recorded_bad} recorded"
+            f"output {result.output}: {again['nan']} NaN / {again['inf']} Inf on replay, "
+            f"{before['nan']} NaN / {before['inf']} Inf recorded"
             + (f"; first at {', '.join(map(str, result.positions))}" if result.positions else "")
         )
         if result.note:

@@ -37,8 +37,8 @@ class Replayed:
     module_class: str
     output: str  # the recorded non-finite output key
     reproduced: bool  # the same non-finite positions (and kinds) as recorded
-    recorded_bad: int  # non-finite elements in the recorded output
-    replayed_bad: int  # ... in the replayed one
+    recorded: dict[str, int]  # {"nan": n, "inf": n} of the recorded output
+    replayed: dict[str, int]  # ... of the replayed one
     positions: list[list[int]] = field(default_factory=list)  # the first bad positions
     inputs: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> statistics
     params: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> statistics
@@ -167,13 +167,19 @@ def replay(
         module_class=cls.__qualname__,
         output=flight["output"],
         reproduced=same,
-        recorded_bad=int(bad_recorded.sum()),
-        replayed_bad=int(bad_replayed.sum()),
+        recorded=_counts(recorded),
+        replayed=_counts(replayed),
         positions=positions,
         inputs=inputs,
         params=params,
         note=note,
     )
+
+
+def _counts(t: torch.Tensor) -> dict[str, int]:
+    import torch
+
+    return {"nan": int(torch.isnan(t).sum()), "inf": int(torch.isinf(t).sum())}
 
 
 def _part(output: Any, key: str, module: str) -> torch.Tensor:
