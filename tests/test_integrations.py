@@ -451,24 +451,24 @@ def make():
 '''
 
 
-def test_replay_reproduces_a_nan_from_the_step_file_alone(tmp_path: Path) -> None:
-    import subprocess
-    import sys
+def tripped_run(folder: Path, run: str = "run"):  # noqa: ANN201 - the factory's module
+    """Write tripmodel.py into `folder` and train its model there until a weight made inf at
+    step 7 trips, recording into `folder/run` with on_nonfinite="dump". Also the README's
+    replay example (scripts/readme_examples.py). Returns (the module, the NonFiniteError)."""
+    import importlib.util
 
     import modeltap
     from modeltap.record import NonFiniteError
 
-    (tmp_path / "tripmodel.py").write_text(FACTORY)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        import tripmodel
-    finally:
-        sys.path.remove(str(tmp_path))
+    (folder / "tripmodel.py").write_text(FACTORY)
+    spec = importlib.util.spec_from_file_location("tripmodel", folder / "tripmodel.py")
+    tripmodel = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tripmodel)
     model = tripmodel.make().train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(0)
-    with pytest.raises(NonFiniteError) as caught:
-        with modeltap.record(model, tmp_path / "run", every=5, on_nonfinite="dump") as rec:
+    try:
+        with modeltap.record(model, folder / run, every=5, on_nonfinite="dump") as rec:
             for step in range(10):
                 if step == 7:
                     with torch.no_grad():
@@ -477,7 +477,17 @@ def test_replay_reproduces_a_nan_from_the_step_file_alone(tmp_path: Path) -> Non
                 opt.step()
                 opt.zero_grad()
                 rec.step()
-    assert caught.value.trip.step == 7 and caught.value.trip.module == "2"
+    except NonFiniteError as exc:
+        return tripmodel, exc
+    raise AssertionError("the inf weight did not trip")
+
+
+def test_replay_reproduces_a_nan_from_the_step_file_alone(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    tripmodel, error = tripped_run(tmp_path)
+    assert error.trip.step == 7 and error.trip.module == "2"
     dump = load_dump(tmp_path / "run" / "step000007.rank0.safetensors")
     flight = json.loads(dump.metadata["flight"])
     assert flight["module"] == "2" and flight["rng"] == ["cpu"] and flight["training"]
