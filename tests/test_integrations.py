@@ -517,3 +517,49 @@ def test_replay_reproduces_a_nan_from_the_step_file_alone(tmp_path: Path) -> Non
     # A step without a trip is a one-line error.
     done = subprocess.run([*command, "5"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.startswith("error: step 5 of 'run' did not trip")
+
+
+def _run_with_fault(folder: Path, fault_at: int | None, **options: object) -> None:
+    import modeltap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    generator = torch.Generator().manual_seed(1)
+    with modeltap.record(model, folder, every=5, rules=[], **options) as rec:
+        for step in range(32):
+            if step == fault_at:
+                with torch.no_grad():
+                    model[2].weight[0] *= 1.01  # one row of one layer, from this step on
+            model(torch.randn(8, 4, generator=generator)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+
+
+@pytest.mark.parametrize("full_every", [None, 10])
+def test_run_diff_names_the_step_and_layer_where_two_runs_part(
+    tmp_path: Path, full_every: int | None
+) -> None:
+    from typer.testing import CliRunner
+
+    from modeltap.cli import app
+    from modeltap.record.rundiff import diff_runs
+
+    _run_with_fault(tmp_path / "a", None, full_every=full_every)
+    _run_with_fault(tmp_path / "b", 20, full_every=full_every)
+    _run_with_fault(tmp_path / "c", None, full_every=full_every)
+    report = diff_runs(tmp_path / "b", tmp_path / "a")
+    first = report.first
+    assert (first.step, first.rank, first.first) == (20, 0, "2")  # not 0 or 1, upstream of it
+    assert all(not s.failed for s in report.steps if s.step < 20)
+    assert first.tensors is (full_every is not None)
+    assert diff_runs(tmp_path / "c", tmp_path / "a").passed  # the same run twice
+
+    result = CliRunner().invoke(app, ["diff", str(tmp_path / "b"), str(tmp_path / "a")])
+    assert result.exit_code == 1
+    assert "first divergence: step 20, rank 0, 2" in result.stdout
+    result = CliRunner().invoke(app, ["diff", str(tmp_path / "c"), str(tmp_path / "a"), "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["passed"] is True
+    result = CliRunner().invoke(app, ["diff", str(tmp_path / "c"), str(tmp_path / "a") + "/x"])
+    assert result.exit_code == 2

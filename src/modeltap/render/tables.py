@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from modeltap.diff import Pair as DiffPair
     from modeltap.dump import Dump
     from modeltap.record.index import RunIndex
+    from modeltap.record.rundiff import RunDiff
     from modeltap.stats import TensorStats
 
 DIFF_ROWS = 20
@@ -456,6 +457,49 @@ def _fit_apart(labels: list[str], width: int) -> list[str]:
                     fitted[i] = label[:name_at] + start + "…" + end
                     break
     return fitted
+
+
+def run_diff_text(report: RunDiff, *, show_all: bool = False) -> Text:
+    """Two runs: the verdict, the first (step, rank, key) where they part ways, and per step
+    (those out of tolerance, or all) how many keys differ and the largest relative difference."""
+    text = Text()
+    first = report.first
+    verdict, style = ("PASS", "bold green") if report.passed else ("FAIL", "bold red")
+    text.append(verdict, style=style)
+    compared = len({s.step for s in report.steps})
+    ranks = len({s.rank for s in report.steps})
+    text.append(
+        f"  {compared} common steps x {ranks} rank{'s' * (ranks > 1)} compared "
+        f"({report.tolerance.describe()}; statistics from the indexes, tensors where both steps "
+        "are full)\n"
+    )
+    if report.only_a or report.only_b:
+        sides = f"A {_steps(report.only_a)}, B {_steps(report.only_b)}"
+        text.append(f"steps recorded on one side only (step@rank): {sides}\n")
+    if first is not None:
+        a, b = report.first_values.get("a", {}), report.first_values.get("b", {})
+        text.append("first divergence: ", style="bold")
+        text.append(f"step {first.step}, rank {first.rank}, {first.first}", style="bold red")
+        na, nb = a.get("norm"), b.get("norm")
+        if na is not None and nb is not None and nb and math.isfinite(na) and math.isfinite(nb):
+            rel = fmt(abs(na - nb) / abs(nb))
+            text.append(f"  (norm {na:.7g} vs {nb:.7g}, rel. difference {rel})")
+        text.append("\n")
+    rows = [s for s in report.steps if show_all or s.failed]
+    if rows:
+        header = f"{'step':>8} {'rank':>4} {'differ':>9}  largest rel. difference\n"
+        text.append(header, style="bold")
+    for s in rows:
+        worst = f"{fmt(s.worst_rel)} {s.worst}" if s.worst else "0"
+        how = " (tensors)" if s.tensors else ""
+        text.append(f"{s.step:>8} {s.rank:>4} {len(s.failed):>4}/{s.compared:<4}  {worst}{how}\n")
+    text.rstrip()
+    return text
+
+
+def _steps(pairs: list[tuple[int, int]]) -> str:
+    shown = ", ".join(f"{s}@{r}" for s, r in pairs[:6]) + (" ..." if len(pairs) > 6 else "")
+    return shown or "none"
 
 
 def run_json(run: RunIndex) -> dict[str, Any]:
