@@ -1,23 +1,34 @@
-"""Performance figures of issue #11 (`modeltap.record`), as ratios taken in one process.
+"""Performance figures of `modeltap.record` (issues #11 and #20), as ratios taken in one process.
 
-    .venv/bin/python scripts/bench_record.py            # --reps 5: 21 training steps
-    .venv/bin/python scripts/bench_record.py --reps 1   # 5 steps
+    .venv/bin/python scripts/bench_record.py            # --reps 5: 31 training steps
+    .venv/bin/python scripts/bench_record.py --reps 1   # 7 steps
+    .venv/bin/python scripts/bench_record.py --trainer  # also transformers' Trainer, with and
+                                                        # without ModeltapCallback
 
 A bert-base-sized BertForMaskedLM (BertConfig(), seed 0, train mode) on a batch of 8 x 128, one
 training step = forward with labels, backward, AdamW step, zero_grad. Step kinds, measured in
-turn (plain, off, tripwire, recorded, plain, ...) on the same model and optimizer; medians:
+turn (plain, off, tripwire, recorded, ...) on the same model and optimizer; medians:
 
-  plain      no modeltap
-  off        inside record(every=100, on_nonfinite="off"), a step that is not recorded
-  tripwire   inside record(every=100), the default tripwire, a step that is not recorded
-  recorded   inside record(every=100), a recorded stats-only step (activations, gradients of
-             every module output, parameter gradients, update ratios, rules; file written)
+  plain            no modeltap
+  off              inside record(every=100, on_nonfinite="off"), a step that is not recorded
+  tripwire         inside record(every=100), the default tripwire, a step that is not recorded
+  recorded         inside record(every=100), a recorded stats-only step (activations, gradients
+                   of every module output, parameter gradients, update ratios, rules; file written)
+  flight           inside record(every=100, on_nonfinite="dump"): the flight recorder armed (RNG
+                   states kept at every hooked call), a step that is not recorded
+  flight-recorded  the same, a recorded step
 
 Figures and targets:
   amortized every=100, tripwire off: (99 off + 1 recorded) / 100 / plain   <= 1.02
   amortized every=100, with the tripwire (the default)                     (reported)
+  amortized every=100, flight recorder armed                                <= 1.05
   recorded / plain                                                          <= 1.3
   tripwire / plain                                                          <= 1.05
+With --trainer: a MiniLM-sized BertForSequenceClassification (6 layers, hidden 384) trained by
+transformers' Trainer on 8 x 64 batches, runs alternating without the callback, with
+ModeltapCallback(every=100) (steps not recorded) and with every=1 (every step recorded); the
+median step time of each (the first two steps of a run left out):
+  amortized Trainer + callback every=100 / Trainer                          <= 1.02
 The step files go under $TMPDIR (point it at tmpfs, TMPDIR=/dev/shm, to leave the disk out).
 """
 
@@ -67,8 +78,10 @@ def timed(kind: str, model, batch, opt, out: Path) -> float:
         "off": {"on_nonfinite": "off", "start_step": 1},
         "tripwire": {"start_step": 1},
         "recorded": {"start_step": 0},
+        "flight": {"on_nonfinite": "dump", "start_step": 1},
+        "flight-recorded": {"on_nonfinite": "dump", "start_step": 0},
     }[kind]
-    with modeltap.record(model, out / kind, every=100, **options) as rec:
+    with modeltap.record(model, out / kind, every=100, overwrite=True, **options) as rec:
         start = time.perf_counter()
         train_step(model, batch, opt)
         rec.step()
@@ -78,12 +91,13 @@ def timed(kind: str, model, batch, opt, out: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--trainer", action="store_true", help="also the Trainer callback")
     args = parser.parse_args()
     import torch
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
     model, batch, opt = setup()
-    kinds = ("plain", "off", "tripwire", "recorded")
+    kinds = ("plain", "off", "tripwire", "recorded", "flight", "flight-recorded")
     times: dict[str, list[float]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory() as tmp:
         timed("plain", model, batch, opt, Path(tmp))  # warm-up: first allocations, AdamW state
@@ -96,6 +110,11 @@ def main() -> None:
     rows = [
         ("amortized every=100, tripwire off", (99 * med["off"] + med["recorded"]) / 100, 1.02),
         ("amortized every=100, tripwire on", (99 * med["tripwire"] + med["recorded"]) / 100, None),
+        (
+            "amortized every=100, flight recorder",
+            (99 * med["flight"] + med["flight-recorded"]) / 100,
+            1.05,
+        ),
         ("recorded stats-only step", med["recorded"], 1.3),
         ("tripwire on every step", med["tripwire"], 1.05),
         ("not recorded, tripwire off", med["off"], None),
@@ -106,6 +125,74 @@ def main() -> None:
         verdict = "" if target is None else (" ok" if ratio <= target else " MISSED")
         goal = "" if target is None else f" (target <= {target})"
         print(f"  {name:36s} {ratio:.3f}x{goal}{verdict}")
+    if args.trainer:
+        trainer_figures(args.reps)
+
+
+def trainer_run(every: int | None, out: Path) -> list[float]:
+    """Seconds of each step of one Trainer run (with ModeltapCallback(every) unless None)."""
+    import torch
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    from modeltap.integrations import ModeltapCallback
+
+    class Clock(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_step_begin(self, *args, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *args, **kwargs):
+            self.times.append(time.perf_counter() - self.start)
+
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                        intermediate_size=1536, num_labels=2)
+    model = BertForSequenceClassification(config)
+    generator = torch.Generator().manual_seed(0)
+    data = [
+        {"input_ids": torch.randint(1000, 30000, (64,), generator=generator), "labels": i % 2}
+        for i in range(8 * 12)
+    ]
+    clock = Clock()
+    callbacks: list = [clock]
+    if every is not None:
+        callbacks.insert(0, ModeltapCallback(out, every=every, overwrite=True))
+    args = TrainingArguments(
+        output_dir=str(out / "trainer"), max_steps=12, per_device_train_batch_size=8,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+        logging_strategy="no", seed=0,
+    )
+    Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks).train()
+    return clock.times[2:]
+
+
+def trainer_figures(reps: int) -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    kinds = {"Trainer": None, "callback every=100": 100, "callback every=1": 1}
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(max(1, reps // 2)):
+            for name, every in kinds.items():
+                times[name] += trainer_run(every, Path(tmp) / "run")
+            print(f"trainer rep {rep + 1}: " + ", ".join(
+                f"{k} {statistics.median(v):.3f}s" for k, v in times.items()))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    amortized = (99 * med["callback every=100"] + med["callback every=1"]) / 100
+    ratio = amortized / med["Trainer"]
+    verdict = " ok" if ratio <= 1.02 else " MISSED"
+    print(f"\nTrainer, median step {med['Trainer']:.3f}s:")
+    print(f"  {'amortized callback every=100':36s} {ratio:.3f}x (target <= 1.02){verdict}")
+    print(f"  {'recorded step (every=1)':36s} {med['callback every=1'] / med['Trainer']:.3f}x")
 
 
 if __name__ == "__main__":

@@ -95,8 +95,27 @@ def _faulted_minilm(folder: Path) -> None:
             shutil.copy(source / name, folder / name)
 
 
+def _tripped_run(folder: Path) -> None:
+    """`runs/exp3` of the replay example, beside its `tripmodel.py` in the scratch folder."""
+    from tests.test_integrations import tripped_run
+
+    tripped_run(folder.parent.parent, "runs/exp3")
+
+
+def _runs_apart(folder: Path) -> None:
+    """`runs/base` and `runs/fault` of the run diff example (the run diff test's training)."""
+    from tests.test_integrations import _run_with_fault
+
+    _run_with_fault(folder, 20 if folder.name == "fault" else None)
+
+
 # Folders some examples name, made in the scratch folder the first time a command mentions them.
-FIXTURES = {"./minilm-fault": _faulted_minilm}
+FIXTURES = {
+    "./minilm-fault": _faulted_minilm,
+    "runs/exp3": _tripped_run,
+    "runs/base": _runs_apart,
+    "runs/fault": _runs_apart,
+}
 
 
 def run(command: str, cwd: Path) -> tuple[list[str], int]:

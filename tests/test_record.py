@@ -486,6 +486,9 @@ def test_fsdp2_records_shards_and_gathers_full_grads(dist_runs: Path) -> None:
         torch.testing.assert_close(torch.cat([d[key] for d in shards]), full)
     gathered = sorted(p.name for p in (dist_runs / "fsdp-gather").glob("step*"))
     assert gathered == ["step000000.rank0.safetensors", "step000002.rank0.safetensors"]
+    # Rank 1 takes part in gathering and writes nothing: no half index with a start event only.
+    indexes = sorted(p.name for p in (dist_runs / "fsdp-gather").glob("index*"))
+    assert indexes == ["index.rank0.jsonl"]
     full = load_dump(dist_runs / "fsdp-gather" / "step000002.rank0.safetensors")
     assert "placements" not in full.metadata
     for name in PARAMS:

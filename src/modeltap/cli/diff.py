@@ -71,10 +71,14 @@ def diff_command(
     html: HtmlOpt = None,
     config: ConfigOpt = None,
 ) -> None:
-    """Compare two dumps; exit 0 when every tensor is within tolerance, 1 when not."""
+    """Compare two dumps, or two run folders of modeltap.record step by step; exit 0 when every
+    tensor is within tolerance, 1 when not."""
     from modeltap.config import read_preset, tolerance_values
     from modeltap.diff import Tolerance, diff_dumps, junit_xml
     from modeltap.dump import check_writable
+
+    if a.is_dir() or b.is_dir():
+        return _diff_runs(a, b, atol, rtol, preset, config, show_all, json_out)
 
     s = settings(
         "diff",
@@ -127,4 +131,33 @@ def diff_command(
         table = diff_table(report, show_all=show_all, width=console.width)
         if table.row_count:
             console.print(table)
+    raise typer.Exit(0 if report.passed else 1)
+
+
+def _diff_runs(
+    a: Path,
+    b: Path,
+    atol: float | None,
+    rtol: float | None,
+    preset: str | None,
+    config: Path | None,
+    show_all: bool,
+    json_out: bool,
+) -> None:
+    from modeltap.config import tolerance_values
+    from modeltap.diff import Tolerance
+    from modeltap.errors import InputError
+    from modeltap.record.rundiff import diff_runs
+
+    if not (a.is_dir() and b.is_dir()):
+        raise InputError("give two run folders (or two dump files), not one of each")
+    s = settings("diff", config, preset=preset)
+    values = tolerance_values(s, atol=atol, rtol=rtol, preset=s.preset)
+    report = diff_runs(a, b, tolerance=Tolerance(**values))
+    if json_out:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        from modeltap.render import run_diff_text
+
+        stdout().print(run_diff_text(report, show_all=show_all))
     raise typer.Exit(0 if report.passed else 1)

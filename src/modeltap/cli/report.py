@@ -107,7 +107,7 @@ def report_command(
         )
     first = inputs[0]
     target = out or Path(first.resolve().name + ".html")
-    check_html_target(target)
+    check_html_target(target, "-o/--out")
     command = invocation("report", [str(p) for p in inputs] + ["-o", str(target)])
     if len(inputs) == 2:
         page = _diff_page(

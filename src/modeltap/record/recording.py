@@ -5,10 +5,16 @@ off they do one attribute check each. A recorded step streams the statistics of 
 module's output, of the gradients w.r.t. those outputs (tensor hooks, so the user's own backward
 computes them) and of the parameter gradients (read when an optimizer over the model's parameters
 is about to step, else at `step()`) into `step{N:06d}.rank{R}.safetensors`, the dump format.
+
+A step holds the training forward and backward only: a forward under `torch.no_grad()` /
+`inference_mode()` or with the model in eval mode is an evaluation, left out, or with `eval=True`
+written to its own `eval{N:06d}.rank{R}.safetensors` (N: the last training step that ran).
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import logging
 import math
@@ -23,7 +29,13 @@ from modeltap.capture import Recorder, split_key
 from modeltap.dump import GRAD_PREFIX, DumpWriter
 from modeltap.errors import InputError
 from modeltap.record import dist
-from modeltap.record.index import IndexWriter, step_file_name, summary
+from modeltap.record.index import (
+    IndexWriter,
+    eval_file_name,
+    run_files,
+    step_file_name,
+    summary,
+)
 from modeltap.record.rules import (
     ACTIVATION,
     GRADIENT,
@@ -76,6 +88,12 @@ class Recording:
         dead_threshold: float = 0.0,
         start_step: int = 0,
         hist: bool = False,
+        eval: bool = False,
+        eval_batches: int | None = 1,
+        scaler: Any = None,
+        resume: bool = False,
+        overwrite: bool = False,
+        keep_last: int = 8,
     ) -> None:
         if not isinstance(every, int) or every < 1:
             raise InputError(f"every must be a whole number of steps >= 1, got {every!r}")
@@ -85,6 +103,12 @@ class Recording:
             raise InputError(
                 f"on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}"
             )
+        if eval_batches is not None and (not isinstance(eval_batches, int) or eval_batches < 1):
+            raise InputError(f"eval_batches must be None or >= 1, got {eval_batches!r}")
+        if resume and overwrite:
+            raise InputError("resume=True and overwrite=True exclude each other; pick one")
+        if not isinstance(keep_last, int) or keep_last < 0:
+            raise InputError(f"keep_last must be a number of steps >= 0, got {keep_last!r}")
         self.out_dir = Path(out_dir)
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise InputError(f"'{self.out_dir}' is a file; give record() a folder for the run")
@@ -103,6 +127,14 @@ class Recording:
         self.hits: list[RuleHit] = []
         self.trips: list[Trip] = []
         self.step_index = start_step
+        self.eval = eval
+        self.eval_batches = eval_batches
+        self.scaler = scaler
+        self.resume = resume
+        self.overwrite = overwrite
+        self.skipped: list[int] = []  # steps a GradScaler skipped (inf/NaN gradients)
+        # The last recorded steps' summaries, carried by a trip's file as the trend before it.
+        self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep_last)
         self.rank = dist.RankInfo()
         self._modules: list[str] = select_modules(self.model, self.selection)
         self._by_name = {(n or ROOT): m for n, m in self.model.named_modules()}
@@ -115,6 +147,12 @@ class Recording:
         self._param_ids: set[int] = set()
         self._named_params: list[tuple[str, Any]] = []
         self._ran: set[str] = set()
+        self._structural: set[str] = set()  # parameters whose gradient is zero by construction
+        self._eval_writer: DumpWriter | None = None
+        self._eval_recorder: Recorder | None = None
+        self._eval_forwards = 0
+        self._eval_at = 0  # the step the open evaluation file belongs to
+        self._eval_files: set[str] = set()
         self._reset_step_state()
 
     # -- the with block ---------------------------------------------------------------------
@@ -128,6 +166,7 @@ class Recording:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if not os.access(self.out_dir, os.W_OK):
             raise InputError(f"'{self.out_dir}' is not writable; give record() another folder")
+        resumed = self._claim_folder()
         self._named_params = [(n, p) for n, p in self.model.named_parameters()]
         self._param_ids = {id(p) for _, p in self._named_params}
         try:
@@ -140,22 +179,26 @@ class Recording:
             self._handles.append(root.register_forward_pre_hook(self._before_forward))
             for name in self._modules:
                 hook = self._forward_hook(name)
-                self._handles.append(
-                    self._by_name[name].register_forward_hook(hook, with_kwargs=True)
-                )
+                module = self._by_name[name]
+                if self.on_nonfinite.startswith("dump"):
+                    self._handles.append(module.register_forward_pre_hook(self._rng_hook(name)))
+                self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
             # Registered last, so that it runs after the root's own capture hook.
             self._handles.append(root.register_forward_hook(self._after_forward))
             self._handles.append(register_optimizer_step_pre_hook(self._before_optimizer))
             self._handles.append(register_optimizer_step_post_hook(self._after_optimizer))
-            self._index = IndexWriter(self.out_dir, self.rank.rank)
-            self._index.write(
-                "start",
-                rank=self.rank.rank,
-                world_size=self.rank.world_size,
-                backend=self.rank.backend,
-                **self._settings(),
-                modules=len(self._modules),
-            )
+            if not (self.gather and self.rank.rank != 0):  # gathering ranks write no index
+                self._index = IndexWriter(self.out_dir, self.rank.rank)
+                self._index.write(
+                    "resume" if resumed else "start",
+                    rank=self.rank.rank,
+                    world_size=self.rank.world_size,
+                    backend=self.rank.backend,
+                    **self._settings(),
+                    modules=len(self._modules),
+                    model_class=type(self.model).__name__,
+                    start_step=self.step_index,
+                )
             self._begin_step()
         except BaseException:
             self._close()
@@ -166,6 +209,7 @@ class Recording:
         try:
             if exc_type is None:
                 self._check_pending()
+                self._note_skipped()
                 if self._recording and self._step_ran:  # the last step, left without step()
                     self._record_params()
                     if self._writer is not None:
@@ -178,6 +222,7 @@ class Recording:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._finish_eval()
         if self._writer is not None:
             self._writer.abort()
             self._writer = None
@@ -192,6 +237,8 @@ class Recording:
     def step(self) -> list[RuleHit]:
         """End the current step: write what it recorded, if anything; return its rule hits."""
         self._check_pending()
+        self._finish_eval()
+        self._note_skipped()
         hits: list[RuleHit] = []
         if self._recording and self._step_ran:
             self._record_params()
@@ -223,6 +270,12 @@ class Recording:
         self._placements: dict[str, Any] = {}
         self._snapshot: dict[str, torch.Tensor] = {}
         self._updates: dict[str, float] = {}
+        self._trained = False  # a training forward ran in this step
+        self._optimizer_stepped = False
+        self._step_skipped = False
+        self._grad_scale: float | None = None
+        # RNG states at each hooked call of this step, for the flight record ("dump" only).
+        self._rng: dict[tuple[str, int], dict[str, Any]] = {}
 
     def _begin_step(self) -> None:
         self._reset_step_state()
@@ -252,30 +305,140 @@ class Recording:
         hits = apply_rules(
             self.rules, self._observations(writer), step=self.step_index, rank=self.rank.rank
         )
+        hits = self._structural_once(hits, writer)
         meta = self._metadata(writer, recorder, hits)
         path = writer.finish(meta)
         for hit in hits:
             logger.warning("%s", hit)
         self.hits += hits
         assert self._index is not None
+        keys = {k: summary(s, gradient=k.startswith(GRAD_PREFIX)) for k, s in writer.stats.items()}
+        self._recent.append({"step": self.step_index, "keys": keys})
         self._index.write(
             "step",
             step=self.step_index,
             rank=self.rank.rank,
             file=path.name,
             full=not writer.stats_only,
-            keys={
-                k: summary(s, gradient=k.startswith(GRAD_PREFIX)) for k, s in writer.stats.items()
-            },
+            keys=keys,
             aliases=writer.aliases,
             updates=self._updates,
             hits=[h.to_json() for h in hits],
+            **({"skipped": True} if self._step_skipped else {}),
         )
         return hits
 
+    def _structural_once(self, hits: list[RuleHit], writer: DumpWriter) -> list[RuleHit]:
+        """A parameter gradient that is zero by construction (the loss does not depend on the
+        parameter: attention key biases, whose shift softmax cancels) is reported once, as
+        structural, instead of as a vanishing gradient at every recorded step. It is told from a
+        gradient that vanished by the gradient reaching its module: that one is not small, so
+        the parameter's share of it cancels out. A parameter whose module's output gradient was
+        not recorded, or vanished too, is reported as vanishing at every step."""
+        rule = next((r for r in self.rules if isinstance(r, VanishingGradient)), None)
+        out = []
+        for hit in hits:
+            if rule is None or hit.rule != rule.name or hit.key[len(GRAD_PREFIX) :] not in (
+                self._param_keys
+            ):
+                out.append(hit)
+                continue
+            if hit.key in self._structural:
+                continue
+            module = hit.key[len(GRAD_PREFIX) :].rpartition(".")[0] or ROOT
+            reaching = _output_grad_norm(writer, module)
+            if reaching is None or reaching < rule.threshold:
+                out.append(hit)
+                continue
+            self._structural.add(hit.key)
+            out.append(
+                dataclasses.replace(
+                    hit,
+                    rule="structural_zero_gradient",
+                    message=(
+                        f"{hit.message} while the gradient reaching '{module}' has norm "
+                        f"{reaching:.3g}: the loss does not depend on this parameter "
+                        "(reported once)"
+                    ),
+                )
+            )
+        return out
+
+    def _note_skipped(self) -> None:
+        """A step whose optimizer a GradScaler skipped (inf/NaN in the scaled gradients)."""
+        if self.scaler is None or not _scaler_enabled(self.scaler) or not self._trained:
+            return
+        if self._optimizer_stepped or self.step_index in self.skipped:
+            return
+        self._step_skipped = True
+        self.skipped.append(self.step_index)
+        logger.info("step %d: the GradScaler skipped the optimizer step", self.step_index)
+        if self._index is not None:
+            self._index.write("skipped", step=self.step_index, rank=self.rank.rank)
+
+    # -- the run folder ---------------------------------------------------------------------
+    def _claim_folder(self) -> bool:
+        """Refuse a folder that holds another run unless resuming or overwriting it; True when
+        this recording continues one."""
+        from modeltap.record.index import read_rank
+
+        # Each rank looks at its own files only: under torchrun the others are writing theirs.
+        mine = run_files(self.out_dir, self.rank.rank)
+        if not mine and not (self.resume and self.gather and self.rank.rank != 0):
+            if self.resume:
+                raise InputError(
+                    f"resume=True but '{self.out_dir}' holds no run to resume; drop resume=True"
+                )
+            return False
+        if self.overwrite:
+            for path in mine:
+                path.unlink(missing_ok=True)
+            return False
+        if not self.resume:
+            raise InputError(
+                f"'{self.out_dir}' already holds a recorded run; pass resume=True to continue it "
+                "after its last recorded step, overwrite=True to replace it, or another folder"
+            )
+        owner = 0 if self.gather else self.rank.rank  # rank 0 keeps a gathered run's index
+        index = read_rank(self.out_dir, owner)
+        if index is None:
+            raise InputError(f"'{self.out_dir}' holds no index for rank {owner} to resume")
+        start = index.start
+        if start.get("model_class", type(self.model).__name__) != type(self.model).__name__ or (
+            start.get("modules", len(self._modules)) != len(self._modules)
+        ):
+            raise InputError(
+                f"'{self.out_dir}' records a {start.get('model_class')} with "
+                f"{start.get('modules')} modules, not this {type(self.model).__name__} with "
+                f"{len(self._modules)}; give another folder"
+            )
+        changed = [k for k, v in self._settings().items() if k in start and start[k] != v]
+        if changed:
+            k = changed[0]
+            raise InputError(
+                f"resume=True with {k}={self._settings()[k]!r} but the run used {start[k]!r}; "
+                "resume with the same options, or record into another folder"
+            )
+        recorded = [s["step"] for s in index.steps]
+        if recorded and self.step_index <= max(recorded):
+            self.step_index = max(recorded) + 1
+        return True
+
     # -- hooks ------------------------------------------------------------------------------
     def _forward_hook(self, name: str) -> Callable[..., None]:
+        import torch
+
+        grad_enabled = torch.is_grad_enabled
+        model = self.model
+
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if not (model.training and grad_enabled()):  # an evaluation forward
+                if self.eval:
+                    self._record_eval(name, output)
+                return
+            self._trained = True
+            if self._eval_writer is not None:
+                self._finish_eval()
             if self._recording:
                 self._step_ran = True
                 self._ran.add(name)
@@ -283,6 +446,95 @@ class Recording:
                     self._recorder.record(name, output)
             if self._watch is not None:
                 self._watch.forward(name, module, args, kwargs, output)
+
+        return hook
+
+    # -- evaluation forwards ----------------------------------------------------------------
+    def _record_eval(self, name: str, output: Any) -> None:
+        if self.gather and self.rank.rank != 0:
+            return
+        if name == ROOT:
+            self._eval_forwards += 1  # the root returns last: this forward is complete
+            if self.eval_batches is not None and self._eval_forwards > self.eval_batches:
+                return
+        elif self.eval_batches is not None and self._eval_forwards >= self.eval_batches:
+            return
+        if self._eval_writer is None:
+            self._eval_at = self._eval_step()
+            self._eval_writer = DumpWriter(
+                self.out_dir / self._eval_name(),
+                stats_only=self.stats_only,
+                dead_threshold=self.dead_threshold,
+                reserve=8192
+                + (_RESERVE_PER_KEY + 384 * self.hist)
+                * len(self._modules)
+                * (self.eval_batches or 4),
+                hist=self.hist,
+            )
+            self._eval_writer.__enter__()
+            self._eval_recorder = Recorder(self._eval_writer)
+        assert self._eval_recorder is not None
+        self._eval_recorder.record(name, output)
+
+    def _eval_step(self) -> int:
+        """The step an evaluation belongs to: the current one once it has trained, else the one
+        before (an evaluation after `step()`, as frameworks run it, follows the step it ends)."""
+        return self.step_index if self._trained else max(self.step_index - 1, 0)
+
+    def _eval_name(self) -> str:
+        base = eval_file_name(self._eval_at, self.rank.rank)
+        name, k = base, 1
+        while name in self._eval_files:  # a second evaluation after the same step
+            name = base.replace(".rank", f"-{k}.rank")
+            k += 1
+        self._eval_files.add(name)
+        return name
+
+    def _finish_eval(self) -> None:
+        writer, recorder = self._eval_writer, self._eval_recorder
+        self._eval_writer = self._eval_recorder = None
+        self._eval_forwards = 0
+        if writer is None or recorder is None:
+            return
+        try:
+            meta = {
+                "kind": "activations",
+                **self._common_meta(),
+                "step": str(self._eval_at),
+                "phase": "eval",
+                "train_mode": "false",
+                "order": json.dumps(recorder.order),
+                "skipped": json.dumps(recorder.skipped),
+                "skipped_none": str(recorder.skipped_none),
+                "record": json.dumps(self._settings()),
+            }
+            path = writer.finish(meta)
+        except BaseException:
+            writer.abort()
+            raise
+        if self._index is not None:
+            self._index.write(
+                "eval",
+                step=self._eval_at,
+                rank=self.rank.rank,
+                file=path.name,
+                keys={k: summary(s) for k, s in writer.stats.items()},
+                aliases=writer.aliases,
+            )
+
+    def _rng_hook(self, name: str) -> Callable[..., None]:
+        """A forward pre-hook keeping the RNG states a training call starts from."""
+        import torch
+
+        from modeltap.record.flight import rng_states
+
+        grad_enabled = torch.is_grad_enabled
+        model = self.model
+
+        def hook(module: nn.Module, args: Any) -> None:
+            watch = self._watch
+            if watch is not None and model.training and grad_enabled():
+                self._rng[(name, watch.counts.get(name, 0))] = rng_states(module)
 
         return hook
 
@@ -312,6 +564,7 @@ class Recording:
             return
         found = watch.find_forward()
         if found is None:
+            self._rng = {}
             if not self.on_nonfinite.startswith("dump"):
                 watch.let_go()
             return
@@ -323,7 +576,11 @@ class Recording:
             return
         try:
             found = watch.find_backward()
-            if found is not None:
+            if found is not None and self.scaler is not None and _scaler_enabled(self.scaler):
+                # Inf/NaN gradients are what a GradScaler looks for: it skips the optimizer
+                # step and lowers its scale; `step()` reports the step as skipped.
+                self._step_skipped = True
+            elif found is not None:
                 self._trip(self._backward_trip(*found))
         finally:
             if self.on_nonfinite.startswith("dump"):
@@ -352,6 +609,8 @@ class Recording:
             }
 
     def _after_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._is_ours(optimizer):
+            self._optimizer_stepped = True
         if not self._snapshot or not self._is_ours(optimizer):
             return
         self._updates = self._update_ratios()
@@ -378,6 +637,14 @@ class Recording:
             if writer is not None:
                 writer.tensor(key, g.detach(), count_zeros=True)
                 self._param_keys.append(name)
+
+    def _scale(self) -> float | None:
+        """The GradScaler's scale of this step's backward (read once per step), or None."""
+        if self.scaler is None or not _scaler_enabled(self.scaler):
+            return None
+        if self._grad_scale is None:
+            self._grad_scale = float(self.scaler.get_scale())
+        return self._grad_scale
 
     def _update_ratios(self) -> dict[str, float]:
         """||w_after - w_before|| / ||w_before|| per parameter (0-norm parameters left out)."""
@@ -488,6 +755,8 @@ class Recording:
             meta["updates"] = json.dumps(self._updates)
         if hits:
             meta["rules"] = json.dumps([h.to_json() for h in hits])
+        if self._step_skipped:
+            meta["skipped_step"] = "GradScaler found inf/NaN gradients and skipped the optimizer"
         return meta
 
     def _grad_meta(self, keys: list[str]) -> dict[str, Any]:
@@ -526,7 +795,14 @@ class Recording:
             params=_nonfinite_params(call.module),
             propagated=propagated,
         )
-        trip.file = self._trip_dump(trip, lambda writer, rec: self._dump_forward(rec, call))
+        def fill(writer: DumpWriter, recorder: Recorder) -> None:
+            from modeltap.record import flight
+
+            self._dump_forward(recorder, call)
+            rng = self._rng.get((call.name, call.call))
+            self._flight = flight.write(writer, call, rng, trip.key)
+
+        trip.file = self._trip_dump(trip, fill)
         return trip
 
     def _backward_trip(self, shape: Shape, slot: int, propagated: bool) -> Trip:
@@ -578,6 +854,7 @@ class Recording:
             self._writer = None
             self._recorder = None
         path = self.out_dir / step_file_name(self.step_index, self.rank.rank)
+        self._flight: dict[str, Any] | None = None
         with DumpWriter(path, dead_threshold=self.dead_threshold, hist=self.hist) as writer:
             recorder = Recorder(writer)
             fill(writer, recorder)
@@ -592,6 +869,8 @@ class Recording:
                     "skipped_none": str(recorder.skipped_none),
                     "record": json.dumps(self._settings()),
                     "tripwire": json.dumps(trip.to_json()),
+                    **({"trend": json.dumps(list(self._recent))} if self._recent else {}),
+                    **({"flight": json.dumps(self._flight)} if self._flight else {}),
                 }
             )
         return path.name
@@ -641,10 +920,28 @@ class _StepSink:
             owner = self.owner
             with owner._lock:
                 if owner._writer is not None and key not in owner._grad_keys:
-                    owner._writer.tensor(GRAD_PREFIX + key, grad.detach(), count_zeros=True)
+                    grad = grad.detach()
+                    scale = owner._scale()
+                    if scale is not None:
+                        grad = grad / scale  # what the optimizer sees once the scaler unscales
+                    owner._writer.tensor(GRAD_PREFIX + key, grad, count_zeros=True)
                     owner._grad_keys.append(key)
 
         return hook
+
+
+def _output_grad_norm(writer: DumpWriter, module: str) -> float | None:
+    """The norm of the gradient w.r.t. `module`'s output (its first tensor) in this step."""
+    prefix = GRAD_PREFIX + module
+    for key, stats in writer.stats.items():
+        if key == prefix or key.startswith(prefix + ":"):
+            return stats.norm
+    return None
+
+
+def _scaler_enabled(scaler: Any) -> bool:
+    is_enabled = getattr(scaler, "is_enabled", None)
+    return bool(is_enabled()) if callable(is_enabled) else True
 
 
 def _nonfinite_params(module: nn.Module) -> dict[str, dict[str, Any]]:
@@ -678,6 +975,12 @@ def record(
     dead_threshold: float = 0.0,
     start_step: int = 0,
     hist: bool = False,
+    eval: bool = False,
+    eval_batches: int | None = 1,
+    scaler: Any = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    keep_last: int = 8,
 ) -> Recording:
     """Record `model` inside a training loop: `with record(model, "runs/x") as rec: ... rec.step()`.
 
@@ -690,6 +993,17 @@ def record(
     `modeltap.record` logger, and `step()` returns them. Under torchrun each rank writes its own
     files; `gather=True` writes sharded (DTensor) tensors whole, on rank 0 only.
     `hist`: each step file's statistics get a fixed-bin histogram per tensor (`stats.HIST_EDGES`).
+
+    A step holds the training forward and backward only; forwards under no_grad/inference_mode
+    or with the model in eval mode are evaluations: `eval=True` writes the first `eval_batches`
+    of each (None: all) to `eval{N:06d}.rank{R}.safetensors`, N the last step that trained.
+    `scaler`: the run's `torch.amp.GradScaler`; gradients are then recorded unscaled, and a step
+    it skips for inf/NaN gradients is reported as skipped (index, `show`), not as a trip.
+    A folder that already holds a run is refused unless `resume=True` (continue after its last
+    recorded step, same options) or `overwrite=True` (its files are removed first).
+    With `on_nonfinite="dump"`, a forward trip's file is also a flight record (see
+    `modeltap.record.flight`) that `modeltap replay` re-runs, and it carries the statistics of
+    the last `keep_last` recorded steps as `trend` metadata.
     """
     return Recording(
         model,
@@ -708,4 +1022,10 @@ def record(
         dead_threshold=dead_threshold,
         start_step=start_step,
         hist=hist,
+        eval=eval,
+        eval_batches=eval_batches,
+        scaler=scaler,
+        resume=resume,
+        overwrite=overwrite,
+        keep_last=keep_last,
     )

@@ -13,6 +13,8 @@ from modeltap.capture import split_key
 from modeltap.dump import GRAD_PREFIX
 from modeltap.render.tree import (
     WIDE,
+    _aligned,
+    _fit,
     _module_tree,
     _plain_table,
     _walk,
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from modeltap.diff import Pair as DiffPair
     from modeltap.dump import Dump
     from modeltap.record.index import RunIndex
+    from modeltap.record.rundiff import RunDiff
     from modeltap.stats import TensorStats
 
 DIFF_ROWS = 20
@@ -295,6 +298,14 @@ def run_heading(run: RunIndex, rank: int) -> Text:
     text.append(f"{len(steps)} recorded steps", style="bold")
     if steps:
         text.append(f" ({steps[0]}..{steps[-1]}, every {start.get('every', '?')})")
+    if index.skipped:
+        shown = ", ".join(map(str, index.skipped[:10]))
+        more = " ..." if len(index.skipped) > 10 else ""
+        text.append(f"\nskipped by the GradScaler (inf/NaN gradients): steps {shown}{more}")
+    if index.evals:
+        text.append(f"\n{len(index.evals)} evaluations recorded (eval*.safetensors), after steps ")
+        text.append(", ".join(str(e["step"]) for e in index.evals[:10]))
+        text.append(" ..." if len(index.evals) > 10 else "")
     hits = [h for s in index.steps for h in s.get("hits", [])]
     if hits:
         counts: dict[str, int] = {}
@@ -314,9 +325,14 @@ def run_heading(run: RunIndex, rank: int) -> Text:
     return text
 
 
-def run_table(run: RunIndex, rank: int, *, width: int = 80) -> Table:
+def run_table(run: RunIndex, rank: int, *, width: int = 80) -> Text:
     """Per module: activation norm and gradient norm over the recorded steps, last dead share,
-    and flags (rule hits, the tripwire). Parameter gradients follow, with update ratios."""
+    and flags (rule hits, the tripwire). Parameter gradients follow, with update ratios.
+
+    As for `show FILE`, no number is ever cut: the trend columns drop where the numbers would
+    not fit (the gradient trend first), and names lose their start, kept apart where two would
+    read the same.
+    """
     index = run.ranks[rank]
     steps = sorted(index.steps, key=lambda s: s["step"])
     shown = _trend_steps(steps)
@@ -333,59 +349,170 @@ def run_table(run: RunIndex, rank: int, *, width: int = 80) -> Table:
     for s in steps:
         for h in s.get("hits", []):
             key = h["key"].removeprefix(GRAD_PREFIX)
-            if h["rule"] not in flags.setdefault(key, []):
-                flags[key].append(h["rule"])
+            flag = _FLAGS.get(h["rule"], h["rule"])
+            if flag not in flags.setdefault(key, []):
+                flags[key].append(flag)
     trips: dict[str, list[str]] = {}
     for trip in index.trips:
         trips.setdefault(trip["module"], []).append(f"NaN@{trip['step']} {trip['phase']}")
-    table = _plain_table()
-    table.add_column("module", no_wrap=True, overflow="ellipsis", max_width=max(16, width - 60))
-    table.add_column("norm", no_wrap=True)
-    table.add_column("last", justify="right")
-    table.add_column("dead", justify="right")
-    table.add_column("grad norm", no_wrap=True)
-    table.add_column("last", justify="right")
-    table.add_column("flags", no_wrap=True, overflow="ellipsis")
     activations = [k for k in keys if not k.startswith(GRAD_PREFIX)]
     last = steps[-1] if steps else {"keys": {}}
+    # Rows of (label, norm trend, last, dead, grad trend, grad last, update, flags, style).
+    rows: list[tuple[str, ...]] = []
     for label, key in _walk(_module_tree(activations), None, ""):
         if key is None:
-            table.add_row(label)
+            rows.append((label, "", "", "", "", "", "", "", ""))
             continue
-        norms = _series(shown, key)
         grads = _series(shown, GRAD_PREFIX + key)
         dead = _series([last], key, "dead")[0]
         flag = ", ".join(trips.get(split_key(key)[0], []) + flags.get(key, []))
-        table.add_row(
-            Text(label, style="bold red" if "NaN@" in flag else ""),
-            sparkline(norms),
-            fmt(_series([last], key)[0]),
-            "-" if dead is None else f"{dead:.0%}",
-            sparkline(grads) if any(g is not None for g in grads) else "",
-            fmt(_series([last], GRAD_PREFIX + key)[0]),
-            Text(flag, style="bold red" if "NaN@" in flag else "yellow"),
+        rows.append(
+            (
+                label,
+                sparkline(_series(shown, key)),
+                fmt(_series([last], key)[0]),
+                "-" if dead is None else f"{dead:.0%}",
+                sparkline(grads) if any(g is not None for g in grads) else "",
+                fmt(_series([last], GRAD_PREFIX + key)[0]),
+                "",
+                flag,
+                "bold red" if "NaN@" in flag else "",
+            )
         )
     param_keys = [k[len(GRAD_PREFIX) :] for k in keys if k[len(GRAD_PREFIX) :] in params]
-    if param_keys:
-        table.add_row()
-        table.add_row(Text("parameter", style="bold"), "", "", "", Text("grad norm", style="bold"))
+    param_rows = []
     for name in param_keys:
-        grads = _series(shown, GRAD_PREFIX + name)
         ratio = last.get("updates", {}).get(name)
-        table.add_row(
-            name,
-            "",
-            "",
-            "",
-            sparkline(grads),
-            fmt(_series([last], GRAD_PREFIX + name)[0]),
-            Text(
-                ", ".join(flags.get(name, []))
-                + ("" if ratio is None else f"{'  ' if flags.get(name) else ''}upd {fmt(ratio)}"),
-                style="yellow" if flags.get(name) else "",
-            ),
+        param_rows.append(
+            (
+                name,
+                "",
+                "",
+                "",
+                sparkline(_series(shown, GRAD_PREFIX + name)),
+                fmt(_series([last], GRAD_PREFIX + name)[0]),
+                "" if ratio is None else fmt(ratio),
+                ", ".join(flags.get(name, [])),
+                "",
+            )
         )
-    return table
+    headers = ["module", "norm", "last", "dead", "grad norm", "last", "update", "flags"]
+    justify = ["left", "left", "right", "right", "left", "right", "right", "left"]
+    every = rows + param_rows
+    widths = [max([len(h)] + [len(r[i]) for r in every]) for i, h in enumerate(headers)]
+    keep = [i for i in range(1, len(headers)) if i == 7 or any(r[i] for r in every)]
+    # The trends go, the gradient's first, before names are cut below 32 characters.
+    for drop in [None, 4, 1]:
+        if drop in keep:
+            keep.remove(drop)
+        room = width - sum(widths[i] + 1 for i in keep)
+        if room >= min(widths[0], 32):
+            break
+    label_width = max(16, min(widths[0], room))
+    labels = _fit_apart([r[0] for r in rows], label_width)
+    names = _fit_apart([r[0] for r in param_rows], label_width)
+    body: list[list[str | Text]] = []
+    for label, row in zip(labels, rows, strict=True):
+        style = row[8]
+        cells: list[str | Text] = [Text(label, style=style)]
+        for i in keep:
+            cells.append(Text(row[i], style=style or "yellow") if i == 7 else row[i])
+        body.append(cells)
+    if param_rows:
+        body.append([""])
+        # The parameters' own header: their gradient trend, its last value, the update ratio.
+        names_of = {4: "grad norm", 5: "last" if 4 in keep else "grad norm", 6: "update"}
+        body.append(
+            [Text("parameter", style="bold")]
+            + [Text(names_of.get(i, ""), style="bold") for i in keep]
+        )
+    for name, row in zip(names, param_rows, strict=True):
+        body.append([name, *(Text(row[i], style="yellow") if i == 7 else row[i] for i in keep)])
+    columns = [0, *keep]
+    label_column = max([len(headers[0]), *(len(x) for x in [*labels, *names, "parameter"])])
+    return _aligned(
+        [headers[i] for i in columns],
+        [label_column, *(widths[i] for i in keep)],
+        [justify[i] for i in columns],
+        body,
+    )
+
+
+# The flags column names each rule by its gist (the heading and the index keep the full name).
+_FLAGS = {
+    "vanishing_gradient": "vanishing",
+    "exploding_gradient": "exploding",
+    "dead_units": "dead",
+    "saturation": "saturated",
+    "update_ratio": "update",
+    "structural_zero_gradient": "structural",
+}
+
+
+def _fit_apart(labels: list[str], width: int) -> list[str]:
+    """`_fit` each label; labels that then read the same keep the start of their names too
+    (`enc…self.key`, `dec…self.key`), so no two rows look alike."""
+    fitted = [_fit(label, width) for label in labels]
+    seen: dict[str, list[int]] = {}
+    for i, text in enumerate(fitted):
+        seen.setdefault(text, []).append(i)
+    for at in seen.values():
+        if len(at) < 2 or len({labels[i] for i in at}) < 2:
+            continue
+        for i in at:
+            label = labels[i]
+            name_at = len(label) - len(label.lstrip("│├└─ "))
+            name, room = label[name_at:], width - name_at - 1
+            others = [labels[j][name_at:] for j in at if j != i]
+            for head in range(1, max(room, 1)):
+                start, end = name[:head], name[len(name) - (room - head) :]
+                if not any(o.startswith(start) and o.endswith(end) for o in others):
+                    fitted[i] = label[:name_at] + start + "…" + end
+                    break
+    return fitted
+
+
+def run_diff_text(report: RunDiff, *, show_all: bool = False) -> Text:
+    """Two runs: the verdict, the first (step, rank, key) where they part ways, and per step
+    (those out of tolerance, or all) how many keys differ and the largest relative difference."""
+    text = Text()
+    first = report.first
+    verdict, style = ("PASS", "bold green") if report.passed else ("FAIL", "bold red")
+    text.append(verdict, style=style)
+    compared = len({s.step for s in report.steps})
+    ranks = len({s.rank for s in report.steps})
+    text.append(
+        f"  {compared} common steps x {ranks} rank{'s' * (ranks > 1)} compared "
+        f"({report.tolerance.describe()}; statistics from the indexes, tensors where both steps "
+        "are full)\n"
+    )
+    if report.only_a or report.only_b:
+        sides = f"A {_steps(report.only_a)}, B {_steps(report.only_b)}"
+        text.append(f"steps recorded on one side only (step@rank): {sides}\n")
+    if first is not None:
+        a, b = report.first_values.get("a", {}), report.first_values.get("b", {})
+        text.append("first divergence: ", style="bold")
+        text.append(f"step {first.step}, rank {first.rank}, {first.first}", style="bold red")
+        na, nb = a.get("norm"), b.get("norm")
+        if na is not None and nb is not None and nb and math.isfinite(na) and math.isfinite(nb):
+            rel = fmt(abs(na - nb) / abs(nb))
+            text.append(f"  (norm {na:.7g} vs {nb:.7g}, rel. difference {rel})")
+        text.append("\n")
+    rows = [s for s in report.steps if show_all or s.failed]
+    if rows:
+        header = f"{'step':>8} {'rank':>4} {'differ':>9}  largest rel. difference\n"
+        text.append(header, style="bold")
+    for s in rows:
+        worst = f"{fmt(s.worst_rel)} {s.worst}" if s.worst else "0"
+        how = " (tensors)" if s.tensors else ""
+        text.append(f"{s.step:>8} {s.rank:>4} {len(s.failed):>4}/{s.compared:<4}  {worst}{how}\n")
+    text.rstrip()
+    return text
+
+
+def _steps(pairs: list[tuple[int, int]]) -> str:
+    shown = ", ".join(f"{s}@{r}" for s, r in pairs[:6]) + (" ..." if len(pairs) > 6 else "")
+    return shown or "none"
 
 
 def run_json(run: RunIndex) -> dict[str, Any]:
@@ -393,7 +520,14 @@ def run_json(run: RunIndex) -> dict[str, Any]:
     return {
         "folder": str(run.folder),
         "ranks": {
-            str(r): {"start": i.start, "steps": i.steps, "trips": i.trips}
+            str(r): {
+                "start": i.start,
+                "resumed": i.resumed,
+                "steps": i.steps,
+                "evals": i.evals,
+                "skipped": i.skipped,
+                "trips": i.trips,
+            }
             for r, i in run.ranks.items()
         },
     }

@@ -1,0 +1,74 @@
+"""`ModeltapCallback` for Lightning: `modeltap.record` with the Lightning Trainer's steps.
+
+`pl.Trainer(callbacks=[ModeltapCallback("runs/exp1", every=50)])`. Step N of the recording is
+the Trainer's `global_step` N (optimizer steps, so `accumulate_grad_batches` micro-batches make
+one step, as `name@k` keys). Validation and test forwards run in eval mode under no_grad and are
+never mixed into a step (`eval=True` writes them to their own files). With 16-bit mixed precision
+the precision plugin's GradScaler is used: gradients are recorded unscaled and a step it skips is
+reported as skipped. Works with `lightning` or `pytorch_lightning`, whichever is installed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:  # the older package name
+    try:
+        from pytorch_lightning import Callback
+    except ImportError as exc:
+        raise ImportError(
+            "modeltap.integrations.lightning needs Lightning: pip install 'modeltap[lightning]'"
+        ) from exc
+
+from modeltap.record import Recording, record
+
+
+class ModeltapCallback(Callback):
+    """Records the LightningModule's training steps; keyword options are `modeltap.record`'s."""
+
+    def __init__(self, out_dir: str | os.PathLike[str], *, every: int = 100, **options: Any):
+        for name in ("start_step", "scaler"):
+            if name in options:
+                raise ValueError(f"ModeltapCallback sets {name} from the Trainer; leave it out")
+        self.out_dir = out_dir
+        self.every = every
+        self.options = options
+        self.recording: Recording | None = None
+        self._seen_step = 0
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        options = dict(self.options)
+        if trainer.global_step > 0:
+            options.setdefault("resume", True)
+        precision = getattr(trainer, "precision_plugin", None)
+        self._seen_step = trainer.global_step
+        self.recording = record(
+            pl_module,
+            self.out_dir,
+            every=self.every,
+            start_step=trainer.global_step + 1,
+            scaler=getattr(precision, "scaler", None),
+            **options,
+        )
+        self.recording.__enter__()
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # global_step counts optimizer steps: a micro-batch that only accumulated leaves it.
+        if self.recording is not None and trainer.global_step != self._seen_step:
+            self._seen_step = trainer.global_step
+            self.recording.step()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        recording, self.recording = self.recording, None
+        if recording is not None:
+            recording.__exit__(None, None, None)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        recording, self.recording = self.recording, None
+        if recording is not None:
+            recording.__exit__(type(exception), exception, exception.__traceback__)

@@ -1,0 +1,169 @@
+"""Two recorded runs compared step by step and rank by rank: where do they part ways?
+
+From the indexes first: every key's norm and absmax of every step both runs recorded, on every
+rank both have, with allclose semantics (|a - b| <= atol + rtol * |b|). Step files are read only
+where both runs hold full tensors for a step (`full_every`), and there the tensors themselves are
+compared (`diff_dumps`), since equal statistics do not make equal tensors. The report names the
+first (step, rank, key) out of tolerance, in step order and then in the order the step recorded
+its keys (forward, then backward).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from modeltap.errors import InputError
+
+if TYPE_CHECKING:
+    from modeltap.diff import Tolerance
+
+SCHEMA = 1
+_FIELDS = ("norm", "absmax")
+
+
+@dataclass
+class StepDiff:
+    """One step of one rank, both runs."""
+
+    step: int
+    rank: int
+    compared: int  # keys compared
+    failed: list[str] = field(default_factory=list)  # keys out of tolerance, in recorded order
+    worst: str | None = None  # the key with the largest relative difference
+    worst_rel: float = 0.0
+    tensors: bool = False  # compared tensor by tensor (both files full)
+
+    @property
+    def first(self) -> str | None:
+        return self.failed[0] if self.failed else None
+
+
+@dataclass
+class RunDiff:
+    a: Path
+    b: Path
+    tolerance: Tolerance
+    steps: list[StepDiff]
+    only_a: list[tuple[int, int]]  # (step, rank) recorded in A only
+    only_b: list[tuple[int, int]]
+    first_values: dict[str, Any] = field(default_factory=dict)  # A's and B's stats at the first
+
+    @property
+    def first(self) -> StepDiff | None:
+        return next((s for s in self.steps if s.failed), None)
+
+    @property
+    def passed(self) -> bool:
+        return self.first is None
+
+    def to_json(self) -> dict[str, Any]:
+        first = self.first
+        return {
+            "schema": SCHEMA,
+            "kind": "runs",
+            "a": str(self.a),
+            "b": str(self.b),
+            "passed": self.passed,
+            "tolerance": asdict(self.tolerance),
+            "first_divergence": None
+            if first is None
+            else {"step": first.step, "rank": first.rank, "key": first.first, **self.first_values},
+            "steps": [{**asdict(s), "first": s.first} for s in self.steps],
+            "only_a": [list(x) for x in self.only_a],
+            "only_b": [list(x) for x in self.only_b],
+        }
+
+
+def _rel(a: float | None, b: float | None) -> float:
+    if a is None or b is None:
+        return 0.0 if a == b else math.inf
+    if math.isnan(a) or math.isnan(b):
+        return 0.0 if math.isnan(a) and math.isnan(b) else math.inf
+    if a == b:
+        return 0.0
+    return abs(a - b) / abs(b) if b else math.inf
+
+
+def diff_runs(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    *,
+    tolerance: Tolerance | None = None,
+) -> RunDiff:
+    """Compare two runs written by `modeltap.record` (see the module docstring)."""
+    from modeltap.diff import Tolerance, diff_dumps
+    from modeltap.record.index import read_run
+
+    tol = tolerance or Tolerance()
+    run_a, run_b = read_run(a), read_run(b)
+    ranks = sorted(set(run_a.ranks) & set(run_b.ranks))
+    if not ranks:
+        raise InputError(
+            f"'{a}' (ranks {list(run_a.ranks)}) and '{b}' (ranks {list(run_b.ranks)}) share no "
+            "rank; compare runs of the same world size"
+        )
+    steps: list[StepDiff] = []
+    only_a: list[tuple[int, int]] = []
+    only_b: list[tuple[int, int]] = []
+    for rank in ranks:
+        by_step_a = {s["step"]: s for s in run_a.ranks[rank].steps}
+        by_step_b = {s["step"]: s for s in run_b.ranks[rank].steps}
+        only_a += [(s, rank) for s in sorted(set(by_step_a) - set(by_step_b))]
+        only_b += [(s, rank) for s in sorted(set(by_step_b) - set(by_step_a))]
+        for step in sorted(set(by_step_a) & set(by_step_b)):
+            sa, sb = by_step_a[step], by_step_b[step]
+            common = [k for k in sa["keys"] if k in sb["keys"]]
+            result = StepDiff(step, rank, len(common))
+            for key in common:
+                ea, eb = sa["keys"][key], sb["keys"][key]
+                rel = max(_rel(ea.get(f), eb.get(f)) for f in _FIELDS)
+                if rel > result.worst_rel:
+                    result.worst, result.worst_rel = key, rel
+                out = any(
+                    not _close(ea.get(f), eb.get(f), tol.atol, tol.rtol) for f in _FIELDS
+                ) or bool(ea.get("nonfinite")) != bool(eb.get("nonfinite"))
+                if out:
+                    result.failed.append(key)
+            if sa.get("full") and sb.get("full"):
+                # Full tensors on both sides: the tensors decide, not their statistics.
+                report = diff_dumps(
+                    run_a.folder / sa["file"], run_b.folder / sb["file"], tolerance=tol
+                )
+                order = {k: i for i, k in enumerate(sa["keys"])}
+                failed = sorted(
+                    (p.key for p in report.failed), key=lambda k: order.get(k, len(order))
+                )
+                result.failed, result.tensors = failed, True
+            steps.append(result)
+    steps.sort(key=lambda s: (s.step, s.rank))
+    # The first divergence is the earliest step's, on the lowest rank that diverged there.
+    first = next((s for s in steps if s.failed), None)
+    first_values: dict[str, Any] = {}
+    if first is not None:
+        sa = {s["step"]: s for s in run_a.ranks[first.rank].steps}[first.step]
+        sb = {s["step"]: s for s in run_b.ranks[first.rank].steps}[first.step]
+        key = first.failed[0]
+        first_values = {
+            "a": {f: sa["keys"].get(key, {}).get(f) for f in _FIELDS},
+            "b": {f: sb["keys"].get(key, {}).get(f) for f in _FIELDS},
+        }
+    if not steps:
+        raise InputError(
+            f"'{a}' and '{b}' recorded no common step; record both with the same every and "
+            "start_step"
+        )
+    return RunDiff(Path(a), Path(b), tol, steps, only_a, only_b, first_values)
+
+
+def _close(a: float | None, b: float | None, atol: float, rtol: float) -> bool:
+    if a is None or b is None:
+        return a == b
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    if math.isinf(a) or math.isinf(b):
+        return a == b
+    return abs(a - b) <= atol + rtol * abs(b)

@@ -1,0 +1,565 @@
+"""modeltap.record inside the real frameworks: transformers' Trainer, Lightning, and a GradScaler.
+
+Each test trains a tiny model with the framework itself (no mocks) and checks the recording against
+what plain hooks and the framework's own callbacks saw in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from modeltap.dump import load_dump
+from modeltap.record import read_run
+
+TEXTS = ["hello world", "the quick brown fox", "numbers users can trust", "a second sentence"]
+
+
+def _classifier():  # noqa: ANN202 - transformers type
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=120,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=2,
+    )
+    return BertForSequenceClassification(config)
+
+
+class _Texts(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        from tests.fixtures.hf import bert_tokenizer
+
+        tok = bert_tokenizer()
+        self.items = []
+        for i in range(n):
+            enc = tok(TEXTS[i % len(TEXTS)], padding="max_length", max_length=8)
+            self.items.append({**{k: torch.tensor(v) for k, v in enc.items()}, "labels": i % 2})
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+
+def _training_keys(keys: list[str]) -> set[str]:
+    return {k for k in keys if not k.startswith("grad/")}
+
+
+def test_trainer_callback_records_training_steps_only(tmp_path: Path) -> None:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from modeltap.integrations import ModeltapCallback
+
+    model = _classifier()
+    seen: dict[str, object] = {"steps": [], "outputs": {}, "grads": {}}
+
+    class Reference(TrainerCallback):
+        """Plain hooks and the Trainer's own events, in the same run."""
+
+        def on_step_begin(self, args, state, control, model=None, **kw):
+            self.step = state.global_step + 1
+            self.outputs = seen["outputs"].setdefault(self.step, {})
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            # After the Trainer's clipping: what the optimizer is about to use.
+            params = model.named_parameters()
+            seen["grads"][state.global_step + 1] = {
+                n: p.grad.detach().clone() for n, p in params if p.grad is not None
+            }
+
+        def on_step_end(self, args, state, control, **kw):
+            seen["steps"].append(state.global_step)
+
+    reference = Reference()
+
+    def hook(module, args, output):
+        if module.training and torch.is_grad_enabled():
+            reference.outputs.setdefault("classifier", []).append(output.detach().clone())
+
+    model.classifier.register_forward_hook(hook)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "trainer"),
+        max_steps=6,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_grad_norm=0.05,  # small enough to clip: the recorded gradients must be the clipped ones
+        eval_strategy="steps",
+        eval_steps=3,
+        learning_rate=1e-3,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        logging_strategy="no",
+    )
+    run = tmp_path / "run"
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=_Texts(24),
+        eval_dataset=_Texts(4),
+        callbacks=[reference, ModeltapCallback(run, every=2, full_every=2, eval=True)],
+    )
+    trainer.train()
+
+    index = read_run(run)
+    recorded = [s["step"] for s in index.ranks[0].steps]
+    assert seen["steps"] == [1, 2, 3, 4, 5, 6]
+    assert recorded == [s for s in seen["steps"] if s % 2 == 0]  # the Trainer's global_step
+    for step in recorded:
+        path = run / f"step{step:06d}.rank0.safetensors"
+        dump = load_dump(path)
+        keys = _training_keys(dump.order or [])
+        # Two micro-batches per optimizer step, nothing from the evaluations at steps 3 and 6.
+        assert {k for k in keys if k.startswith("classifier")} == {"classifier", "classifier@1"}
+        assert "__root__@2" not in keys and "classifier@2" not in keys
+        outputs = seen["outputs"][step]["classifier"]
+        with safe_open(path, "pt") as f:
+            torch.testing.assert_close(f.get_tensor("classifier"), outputs[0], rtol=0, atol=0)
+            torch.testing.assert_close(f.get_tensor("classifier@1"), outputs[1], rtol=0, atol=0)
+            for name, grad in seen["grads"][step].items():
+                torch.testing.assert_close(f.get_tensor("grad/" + name), grad, rtol=0, atol=0)
+        clipped = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g) for g in seen["grads"][step].values()])
+        )
+        assert clipped <= 0.05 * 1.001
+    # The evaluations, after global steps 3 and 6, in their own files, in eval mode.
+    assert [e["step"] for e in index.ranks[0].evals] == [3, 6]
+    ev = load_dump(run / "eval000003.rank0.safetensors")
+    assert ev.metadata["phase"] == "eval" and ev.metadata["train_mode"] == "false"
+    assert "classifier" in (ev.order or []) and not any(k.startswith("grad/") for k in ev.order)
+
+
+def test_eval_forward_inside_a_step_is_not_recorded(tmp_path: Path) -> None:
+    import modeltap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    with modeltap.record(model, tmp_path / "run", every=1) as rec:
+        for _ in range(2):
+            model(x).square().mean().backward()
+            model.eval()
+            with torch.no_grad():
+                model(x + 1)
+            model.train()
+            with torch.inference_mode():
+                model(x)
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+    for step in (0, 1):
+        order = load_dump(tmp_path / "run" / f"step{step:06d}.rank0.safetensors").order
+        assert not any("@" in k for k in order), order
+    assert not list((tmp_path / "run").glob("eval*"))
+
+
+def test_grad_scaler_skipped_step_is_reported_and_grads_unscaled(tmp_path: Path) -> None:
+    import modeltap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # A scale so large that the first backward overflows float32: the scaler skips that step,
+    # lowers its scale, and the next ones go through.
+    scaler = torch.amp.GradScaler(
+        "cpu", init_scale=2.0**126, backoff_factor=2.0**-100, growth_interval=1000
+    )
+    x = torch.randn(5, 4)
+    unscaled: dict[int, dict[str, torch.Tensor]] = {}
+    output_grads: dict[int, torch.Tensor] = {}
+    stepped = []
+    with modeltap.record(model, tmp_path / "run", every=1, scaler=scaler, stats_only=False) as rec:
+        for step in range(4):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = model(x)
+            y.register_hook(lambda g, s=step: output_grads.__setitem__(s, g.detach().clone()))
+            scale = scaler.get_scale()
+            scaler.scale(y.float().square().sum() * 100).backward()
+            scaler.unscale_(opt)
+            unscaled[step] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            before = model[0].weight.detach().clone()
+            scaler.step(opt)
+            scaler.update()
+            stepped.append(not torch.equal(before, model[0].weight))
+            output_grads[step] = output_grads[step] / scale
+            opt.zero_grad()
+            rec.step()
+    assert stepped[0] is False and all(stepped[1:])  # the scaler skipped step 0 only
+    # The autocast forward is recorded in the dtype it ran in.
+    assert load_dump(tmp_path / "run" / "step000001.rank0.safetensors").stats_for("0").dtype == (
+        "bfloat16"
+    )
+    assert rec.skipped == [0]
+    index = read_run(tmp_path / "run").ranks[0]
+    assert index.skipped == [0]
+    assert index.steps[0].get("skipped") is True and "skipped" not in index.steps[1]
+    for step in (1, 2, 3):
+        path = tmp_path / "run" / f"step{step:06d}.rank0.safetensors"
+        with safe_open(path, "pt") as f:
+            for name, grad in unscaled[step].items():
+                torch.testing.assert_close(f.get_tensor("grad/" + name), grad, rtol=0, atol=0)
+        stats = load_dump(path).stats_for("grad/2")
+        expected = torch.linalg.vector_norm(output_grads[step].float()).item()
+        assert stats is not None and stats.norm == pytest.approx(expected, rel=1e-3)
+
+
+def test_lightning_callback_steps_equal_global_step(tmp_path: Path) -> None:
+    pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
+    if os.environ.get("CI"):
+        assert pl is not None  # setup installs the extra in CI: never skipped there
+
+    from modeltap.integrations.lightning import ModeltapCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+            self.train_outputs: dict[int, list[torch.Tensor]] = {}
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, i):
+            y = self(batch[0])
+            self.train_outputs.setdefault(self.trainer.global_step + 1, []).append(y.detach())
+            return y.square().mean()
+
+        def validation_step(self, batch, i):
+            return self(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    module = Module()
+    steps = []
+
+    class Steps(pl.Callback):
+        def on_train_batch_end(self, trainer, *a):
+            steps.append(trainer.global_step)
+
+    trainer = pl.Trainer(
+        max_steps=4,
+        accumulate_grad_batches=2,
+        val_check_interval=4,
+        limit_val_batches=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Steps(), ModeltapCallback(tmp_path / "run", every=2, full_every=2)],
+    )
+    trainer.fit(module, loader, loader)
+    index = read_run(tmp_path / "run").ranks[0]
+    assert sorted(set(steps)) == [0, 1, 2, 3, 4]
+    assert [s["step"] for s in index.steps] == [2, 4]
+    for step in (2, 4):
+        path = tmp_path / "run" / f"step{step:06d}.rank0.safetensors"
+        dump = load_dump(path)
+        assert _training_keys(dump.order) >= {"__root__", "__root__@1"}
+        assert "__root__@2" not in dump.order  # two micro-batches, no validation forward
+        for k, expected in enumerate(module.train_outputs[step]):
+            key = "__root__" if k == 0 else f"__root__@{k}"  # aliases of net.2's output
+            torch.testing.assert_close(dump[key], expected, rtol=0, atol=0)
+
+
+def _loop(folder: Path, steps: int, **options: object) -> None:
+    import modeltap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with modeltap.record(model, folder, **options) as rec:
+        for _ in range(steps):
+            model(torch.randn(3, 4)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+
+
+def test_run_folder_reuse_is_refused_resumed_or_overwritten(tmp_path: Path) -> None:
+    from modeltap.errors import InputError
+
+    run = tmp_path / "run"
+    _loop(run, 5, every=2)
+    with pytest.raises(InputError, match="already holds a recorded run; pass resume=True"):
+        _loop(run, 1, every=2)
+    assert [s["step"] for s in read_run(run).ranks[0].steps] == [0, 2, 4]
+
+    with pytest.raises(InputError, match="resume with the same options"):
+        _loop(run, 1, every=3, resume=True)
+    _loop(run, 4, every=2, resume=True)  # continues after step 4: steps 5..8
+    steps = read_run(run).ranks[0].steps
+    assert [s["step"] for s in steps] == [0, 2, 4, 6, 8]
+    lines = [json.loads(x)["event"] for x in (run / "index.rank0.jsonl").read_text().splitlines()]
+    assert lines.count("start") == 1 and lines.count("resume") == 1
+
+    (run / "notes.txt").write_text("mine")
+    _loop(run, 3, every=2, overwrite=True)
+    assert [s["step"] for s in read_run(run).ranks[0].steps] == [0, 2]
+    assert not (run / "step000004.rank0.safetensors").exists()
+    assert (run / "notes.txt").read_text() == "mine"  # only the run's own files go
+
+    with pytest.raises(InputError, match="holds no run to resume"):
+        _loop(tmp_path / "empty", 1, resume=True)
+    with pytest.raises(InputError, match="exclude each other"):
+        _loop(tmp_path / "both", 1, resume=True, overwrite=True)
+
+
+def test_attention_key_bias_is_reported_once_as_structural(tmp_path: Path) -> None:
+    """The gradient of an attention key bias is zero by construction (softmax cancels a shift
+    of every score of a query); it is reported once, while a real vanishing gradient is not."""
+    import modeltap
+
+    model = _classifier()
+    model.train()
+    data = _Texts(8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with modeltap.record(model, tmp_path / "run", every=1) as rec:
+        all_hits = []
+        for step in range(3):
+            batch = torch.utils.data.default_collate([data[2 * step], data[2 * step + 1]])
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            all_hits.append(rec.step())
+    structural = [h for h in all_hits[0] if h.rule == "structural_zero_gradient"]
+    assert {h.key for h in structural} == {
+        f"grad/bert.encoder.layer.{i}.attention.self.key.bias" for i in range(2)
+    }
+    assert not [h for hits in all_hits for h in hits if h.rule == "vanishing_gradient"]
+    assert not [h for hits in all_hits[1:] for h in hits if "key.bias" in h.key]
+    # Nor dead units on the integer inputs passed through or the logits.
+    assert not [h for hits in all_hits for h in hits if h.rule == "dead_units"]
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_show_run_never_cuts_a_number_nor_a_name_end(tmp_path: Path, width: int) -> None:
+    from rich.console import Console
+
+    import modeltap
+    from modeltap.render import fmt, run_heading, run_table
+
+    model = _classifier()
+    model.train()
+    data = _Texts(6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with modeltap.record(model, tmp_path / "run", every=1) as rec:
+        for step in range(3):
+            batch = torch.utils.data.default_collate([data[2 * step], data[2 * step + 1]])
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+    run = read_run(tmp_path / "run")
+    console = Console(width=width, record=True, color_system=None)
+    console.print(run_heading(run, 0))
+    console.print(run_table(run, 0, width=width))
+    lines = console.export_text().splitlines()
+    assert all(len(line.rstrip()) <= width for line in lines)
+    words = {w for line in lines for w in line.split()}
+    last = run.ranks[0].steps[-1]
+    for key, entry in last["keys"].items():
+        assert fmt(entry["norm"]) in words, key  # every last value whole
+    for name, ratio in last["updates"].items():
+        assert fmt(ratio) in words, name
+    table = lines[lines.index(next(x for x in lines if x.startswith("parameter"))) + 1 :]
+    names = [line.split()[0] for line in table if line.strip()]
+    assert len(names) == len(set(names)) == len(last["updates"])  # no two rows alike
+    assert all(not n.endswith("…") for n in names)  # names lose their start, never their end
+    for name, shown in zip(last["updates"], names, strict=True):
+        head, _, tail = shown.partition("…")
+        assert name.startswith(head) and name.endswith(tail)
+
+
+def test_accelerate_recipe_records_optimizer_steps(tmp_path: Path) -> None:
+    """The README's Accelerate recipe: `record` around the loop, `rec.step()` when the
+    accelerator synchronised gradients (an optimizer step), with its GradScaler if any."""
+    from accelerate import Accelerator
+
+    import modeltap
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4))
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    grads_seen = {}
+    with modeltap.record(
+        model, tmp_path / "run", every=2, full_every=2, scaler=accelerator.scaler
+    ) as rec:
+        for (x,) in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(x).square().mean())
+                if accelerator.sync_gradients:
+                    grads_seen[rec.step_index] = model[0].weight.grad.clone()
+                opt.step()
+                opt.zero_grad()
+            if accelerator.sync_gradients:
+                rec.step()
+    index = read_run(tmp_path / "run").ranks[0]
+    assert [s["step"] for s in index.steps] == [0, 2]  # 8 batches, 2 per step: steps 0..3
+    dump = load_dump(tmp_path / "run" / "step000002.rank0.safetensors")
+    assert {"0", "0@1"} <= set(dump.order) and "0@2" not in dump.order
+    torch.testing.assert_close(dump["grad/0.weight"], grads_seen[2], rtol=0, atol=0)
+
+
+FACTORY = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Noisy(nn.Module):
+    """Dropout, then a linear map: which outputs an inf weight turns into NaN (inf * 0) or Inf
+    depends on the dropout mask, so a replay without the call's RNG state does not reproduce it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x, scale=1.0):
+        return F.linear(F.dropout(x, 0.5, self.training), self.weight) * scale
+
+
+def make():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Noisy(), nn.Linear(8, 2))
+'''
+
+
+def tripped_run(folder: Path, run: str = "run"):  # noqa: ANN201 - the factory's module
+    """Write tripmodel.py into `folder` and train its model there until a weight made inf at
+    step 7 trips, recording into `folder/run` with on_nonfinite="dump". Also the README's
+    replay example (scripts/readme_examples.py). Returns (the module, the NonFiniteError)."""
+    import importlib.util
+
+    import modeltap
+    from modeltap.record import NonFiniteError
+
+    (folder / "tripmodel.py").write_text(FACTORY)
+    spec = importlib.util.spec_from_file_location("tripmodel", folder / "tripmodel.py")
+    tripmodel = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tripmodel)
+    model = tripmodel.make().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(0)
+    try:
+        with modeltap.record(model, folder / run, every=5, on_nonfinite="dump") as rec:
+            for step in range(10):
+                if step == 7:
+                    with torch.no_grad():
+                        model[2].weight[3, 1] = float("inf")
+                model(torch.randn(6, 4, generator=generator)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                rec.step()
+    except NonFiniteError as exc:
+        return tripmodel, exc
+    raise AssertionError("the inf weight did not trip")
+
+
+def test_replay_reproduces_a_nan_from_the_step_file_alone(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    tripmodel, error = tripped_run(tmp_path)
+    assert error.trip.step == 7 and error.trip.module == "2"
+    dump = load_dump(tmp_path / "run" / "step000007.rank0.safetensors")
+    flight = json.loads(dump.metadata["flight"])
+    assert flight["module"] == "2" and flight["rng"] == ["cpu"] and flight["training"]
+    trend = json.loads(dump.metadata["trend"])
+    assert [t["step"] for t in trend] == [0, 5]  # the recorded steps before the trip
+    recorded = dump["2"]
+    assert torch.isnan(recorded).any() and torch.isinf(recorded).any()
+
+    # In a new process, from the step file alone: the same NaN and Inf positions.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    command = [sys.executable, "-m", "modeltap", "replay", "run", "tripmodel:make", "--step"]
+    done = subprocess.run([*command, "7"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("REPRODUCED  step 7 rank 0: module '2' (Noisy)")
+    nan, inf = int(torch.isnan(recorded).sum()), int(torch.isinf(recorded).sum())
+    assert f"{nan} NaN / {inf} Inf on replay, {nan} NaN / {inf} Inf recorded" in done.stdout
+    assert "parameter weight: 8×8 float32, 0 NaN / 1 Inf" in done.stdout
+
+    # The dropout mask matters: the same call with another RNG state gives other positions,
+    # so the replay above reproduced them only through the recorded state.
+    noisy = tripmodel.make()[2].train()
+    noisy.weight.data = dump["flight/param/weight"]
+    torch.manual_seed(123)
+    other = noisy(dump["flight/arg/0"])
+    assert not torch.equal(torch.isnan(other), torch.isnan(recorded))
+
+    # A step without a trip is a one-line error.
+    done = subprocess.run([*command, "5"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("error: step 5 of 'run' did not trip")
+
+
+def _run_with_fault(folder: Path, fault_at: int | None, **options: object) -> None:
+    import modeltap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    generator = torch.Generator().manual_seed(1)
+    with modeltap.record(model, folder, every=5, rules=[], **options) as rec:
+        for step in range(32):
+            if step == fault_at:
+                with torch.no_grad():
+                    model[2].weight[0] *= 1.01  # one row of one layer, from this step on
+            model(torch.randn(8, 4, generator=generator)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+
+
+@pytest.mark.parametrize("full_every", [None, 10])
+def test_run_diff_names_the_step_and_layer_where_two_runs_part(
+    tmp_path: Path, full_every: int | None
+) -> None:
+    from typer.testing import CliRunner
+
+    from modeltap.cli import app
+    from modeltap.record.rundiff import diff_runs
+
+    _run_with_fault(tmp_path / "a", None, full_every=full_every)
+    _run_with_fault(tmp_path / "b", 20, full_every=full_every)
+    _run_with_fault(tmp_path / "c", None, full_every=full_every)
+    report = diff_runs(tmp_path / "b", tmp_path / "a")
+    first = report.first
+    assert (first.step, first.rank, first.first) == (20, 0, "2")  # not 0 or 1, upstream of it
+    assert all(not s.failed for s in report.steps if s.step < 20)
+    assert first.tensors is (full_every is not None)
+    assert diff_runs(tmp_path / "c", tmp_path / "a").passed  # the same run twice
+
+    result = CliRunner().invoke(app, ["diff", str(tmp_path / "b"), str(tmp_path / "a")])
+    assert result.exit_code == 1
+    assert "first divergence: step 20, rank 0, 2" in result.stdout
+    result = CliRunner().invoke(app, ["diff", str(tmp_path / "c"), str(tmp_path / "a"), "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["passed"] is True
+    result = CliRunner().invoke(app, ["diff", str(tmp_path / "c"), str(tmp_path / "a") + "/x"])
+    assert result.exit_code == 2
