@@ -17,6 +17,11 @@ Where hidden_states[k] sits differs by family (the ALIGN table):
   own output is in no entry, so it is not compared; the final norm's output is.
 - Mamba appends after every block and has no embeddings entry: hidden_states[i] is block i's
   output, and the last entry is norm_f's.
+- ModernBERT appends the final norm's output after the last block's; RecurrentGemma's first
+  entry (the scaled embedding) is no module's output, not compared.
+
+`test_every_key_and_repeated_call_equals_plain_hooks` then checks every key of every family, each
+repeated call (`name@k`) included, against plain forward hooks written in the test.
 Block outputs that are tuples are stored under `block:0` (modeltap's key naming).
 """
 
@@ -30,12 +35,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from modeltap.capture import flatten, split_key
+from modeltap.capture import capture, flatten, split_key
 from modeltap.cli import app
 from modeltap.errors import RunError
 from modeltap.grads import GradSpec
 from modeltap.loading import Inputs, add_decoder_inputs
 from modeltap.run import dump_model
+from modeltap.selection import ROOT
 from tests.fixtures.architectures import BUILDERS
 
 runner = CliRunner()
@@ -100,6 +106,21 @@ ALIGN: dict[str, dict[str, str]] = {
         "vision_model_output.hidden_states.0": "vision_model.pre_layrnorm",
         "vision_model_output.hidden_states.1": "vision_model.encoder.layers.0",
         "vision_model_output.hidden_states.2": "vision_model.encoder.layers.1",
+    },
+    "gemma3_text": {  # sliding and full attention layers, rotary_emb called once per type
+        "hidden_states.0": "embed_tokens",
+        "hidden_states.1": "layers.0",
+        "hidden_states.2": "norm",
+    },
+    "modernbert": {  # local and global attention layers; appends the final norm's output
+        "hidden_states.0": "embeddings",
+        "hidden_states.1": "layers.0",
+        "hidden_states.2": "layers.1",
+        "hidden_states.3": "final_norm",
+    },
+    "recurrent_gemma": {  # the scaled embedding that enters the first block is no module's
+        "hidden_states.1": "layers.0",
+        "hidden_states.2": "final_norm",
     },
     "detr": {  # decodes from learned queries: no decoder_input_ids; decoder ends in a layernorm
         "encoder_hidden_states.1": "encoder.layers.0",
@@ -274,3 +295,81 @@ def test_cli_dumps_detr_from_pixel_values_alone(tmp_path):
     stored, meta = read(tmp_path / "d.safetensors")
     assert "decoder_input_ids" not in meta["inputs"]
     assert "decoder.layernorm" in stored
+
+
+def plain_hook_values(model, kwargs):
+    """Every module's output on every call, from plain forward hooks written here: `name` for its
+    first call, `name@k` for the k-th after it, `name:path` for each tensor of a structured
+    output (tuple index or field name, joined by dots); each cloned as its module returns."""
+    values, calls = {}, {}
+
+    def leaves(value, path):
+        if isinstance(value, torch.Tensor):
+            yield path, value
+        elif isinstance(value, dict):  # ModelOutput is an OrderedDict of its non-None fields
+            for name, item in value.items():
+                yield from leaves(item, f"{path}.{name}" if path else str(name))
+        elif isinstance(value, (tuple, list)):
+            for index, item in enumerate(value):
+                yield from leaves(item, f"{path}.{index}" if path else str(index))
+
+    def hook(name):
+        def keep(module, args, output):
+            k = calls.get(name, 0)
+            calls[name] = k + 1
+            head = name if k == 0 else f"{name}@{k}"
+            for path, tensor in leaves(output, ""):
+                values[f"{head}:{path}" if path else head] = tensor.detach().clone()
+
+        return keep
+
+    handles = [m.register_forward_hook(hook(n or ROOT)) for n, m in model.named_modules()]
+    try:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            model(**kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return values, {name: n for name, n in calls.items() if n > 1}
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_every_key_and_repeated_call_equals_plain_hooks(family, tmp_path):
+    """Every key of a dump and of a capture, each `@k` call included, holds what plain forward
+    hooks see on that very call, in call order (Gemma3 and ModernBERT run `rotary_emb` once per
+    layer type, with different frequencies; XLNet runs its dropouts several times)."""
+    model, kwargs = BUILDERS[family]()
+    inputs = add_decoder_inputs(model, Inputs((), kwargs, {}))
+    want, repeated = plain_hook_values(model, inputs.kwargs)
+    if family in ("gemma3_text", "modernbert"):
+        assert repeated == {"rotary_emb": 2}
+        # the two calls differ: a swap would show
+        assert not torch.equal(want["rotary_emb:0"], want["rotary_emb@1:0"])
+    dumped, meta = read(dump_model(model, inputs, tmp_path / "a.safetensors"))
+    captured = capture(model, **inputs.kwargs, seed=0)
+    assert set(dumped) == set(want) == set(captured.keys())
+    # the order of the keys is the order of the calls
+    assert json.loads(meta["order"]) == captured.keys()
+    order = [k.partition(":")[0] for k in captured.keys()]
+    for name, n in repeated.items():
+        calls = [k for k in dict.fromkeys(order) if split_key(k)[0] == name]
+        assert calls == [name] + [f"{name}@{k}" for k in range(1, n)], calls
+    for key, value in want.items():
+        torch.testing.assert_close(dumped[key], value, rtol=0, atol=0, msg=key)
+        torch.testing.assert_close(captured[key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("family", ["xlnet", "recurrent_gemma"])
+def test_models_without_a_position_limit_dump_from_the_cli(family, tmp_path):
+    """XLNet's max_position_embeddings is -1 and RecurrentGemma has none: no length limit."""
+    model_dir, inputs = saved(family, tmp_path)
+    result = runner.invoke(
+        app, ["dump", str(model_dir), "--input-file", str(inputs), "-o", "d.safetensors"]
+    )
+    assert result.exit_code == 0, result.output
+    stored, _ = read(tmp_path / "d.safetensors")
+    model, kwargs = BUILDERS[family]()
+    want, _ = plain_hook_values(model, kwargs)
+    for key, value in want.items():
+        torch.testing.assert_close(stored[key], value, rtol=0, atol=0, msg=key)

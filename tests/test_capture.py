@@ -1,9 +1,18 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors import safe_open
 
 from modeltap.capture import capture, hooks, make_key, split_key
 from modeltap.errors import SelectionError
-from tests.fixtures.models import InPlace, ReuseLinear, Structured, Wrapped
+from tests.fixtures.models import InPlace, PerType, ReuseLinear, Structured, Wrapped, build_per_type
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_key_round_trip():
@@ -221,3 +230,36 @@ def test_a_returned_parameter_comes_back_as_a_plain_tensor():
         assert type(cap[name]) is torch.Tensor and not cap[name].requires_grad, name
         assert torch.equal(cap[name], getattr(top, name).p.detach())
     assert torch.equal(cap["__root__"], 2 * torch.arange(3.0))
+
+
+def _types_in_call_order(path: Path) -> list[str]:
+    """Which type each call `fc`, `fc@1`, ... of a PerType dump was for, read from its values."""
+    model, (x,) = build_per_type()
+    with safe_open(str(path), "pt") as f:
+        aliases = json.loads(f.metadata().get("aliases", "{}"))
+        calls = [k for k in json.loads(f.metadata()["order"]) if split_key(k)[0] == "fc"]
+        values = [f.get_tensor(aliases.get(k, k)) for k in calls]
+    with torch.no_grad():
+        by_type = {t: model.fc(x * (1 + i)) for i, t in enumerate(PerType.TYPES)}
+    return [next(t for t, v in by_type.items() if torch.equal(v, value)) for value in values]
+
+
+def test_the_command_calls_modules_in_the_same_order_in_every_process(tmp_path):
+    """A set of strings iterates in the process' hash order: the command pins the hash seed, so
+    `fc` is the same call in every run (it is `rotary_emb` in Gemma3 and ModernBERT)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    seed0 = subprocess.run(
+        [sys.executable, "-c", f"print(' '.join(set({PerType.TYPES!r})))"],
+        env={**env, "PYTHONHASHSEED": "0"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for run in range(2):
+        out = tmp_path / f"{run}.safetensors"
+        dump = ["dump", "tests.fixtures.models:build_per_type", "-o", str(out)]
+        subprocess.run(
+            [sys.executable, "-m", "modeltap", *dump], env=env, capture_output=True, check=True
+        )
+        assert _types_in_call_order(out) == seed0

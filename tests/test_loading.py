@@ -5,8 +5,10 @@ from safetensors.torch import save_file
 
 from modeltap.errors import InputError
 from modeltap.loading import (
+    Inputs,
     add_decoder_inputs,
     check_forward_names,
+    check_length,
     file_inputs,
     load_model,
     load_tokenizer,
@@ -190,3 +192,31 @@ def test_text_longer_than_the_model_is_left_to_check_length(bert_dir):
         hf_logging.set_verbosity(verbosity)
     assert inputs.kwargs["input_ids"].shape[1] > 64
     assert not [r for r in records if "sequence length" in r.getMessage()]
+
+
+@pytest.mark.parametrize("limit", [-1, 0, None])
+def test_a_model_without_a_position_limit_takes_any_length(limit):
+    """XLNet's config says -1 ("no sequence length limit"); relative or rotary models may declare
+    0 or nothing: none of them is a limit."""
+    from types import SimpleNamespace
+
+    model = torch.nn.Module()
+    model.config = SimpleNamespace(max_position_embeddings=limit)
+    check_length(model, Inputs((), {"input_ids": torch.ones(1, 5, dtype=torch.long)}, {}))
+
+
+def test_xlnet_config_has_no_position_limit():
+    from transformers import XLNetConfig, XLNetModel
+
+    model = XLNetModel(XLNetConfig(vocab_size=32, d_model=16, n_layer=1, n_head=2, d_inner=32))
+    assert model.config.max_position_embeddings == -1  # transformers' "no limit"
+    check_length(model, Inputs((), {"input_ids": torch.ones(1, 300, dtype=torch.long)}, {}))
+
+
+def test_a_text_past_a_real_limit_is_refused_with_the_fix():
+    from types import SimpleNamespace
+
+    model = torch.nn.Module()
+    model.config = SimpleNamespace(max_position_embeddings=4)
+    with pytest.raises(InputError, match=r"at most 4 tokens .* has 5; .*--max-length 4"):
+        check_length(model, Inputs((), {"input_ids": torch.ones(1, 5, dtype=torch.long)}, {}))

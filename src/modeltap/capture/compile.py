@@ -549,7 +549,49 @@ def compiled_run(
             info.changed_after_return = sorted(changed)
             fired = {name for name, _, _ in cap.log}
             info.unmapped = [m for m in modules if m not in fired]
-            return record_run(cap, sink), info, output
+            break
+    # after the compiled capture's hooks came off: this runs the eager model
+    renumber_like_eager(cap, model, args, kwargs, train_mode=train_mode, seed=seed)
+    return record_run(cap, sink), info, output
+
+
+def renumber_like_eager(
+    cap: CompiledCapture,
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    train_mode: bool,
+    seed: int | None,
+) -> list[str]:
+    """Give each repeated call in `cap.log` the number it has in the eager forward, where the
+    compiled run made the calls in another order (see capture/order.py); returns the modules
+    renumbered."""
+    from modeltap.capture.order import eager_calls, matching, tensor_leaves
+
+    outputs: dict[str, list[int]] = {}
+    inputs: dict[str, list[int]] = {}
+    for i, (name, _, is_input) in enumerate(cap.log):
+        (inputs if is_input else outputs).setdefault(name, []).append(i)
+    repeated = [name for name, at in outputs.items() if len(at) > 1]
+    if not repeated:
+        return []
+    eager = eager_calls(model, repeated, args, kwargs, train_mode=train_mode, seed=seed)
+    renumbered = []
+    for name in repeated:
+        at = outputs[name]
+        # with copying hooks, a value is (what the module returned, its copy as it returned)
+        got = [tensor_leaves(cap.log[i][1][1] if cap.copy_outputs else cap.log[i][1]) for i in at]
+        numbers = matching(got, eager[name])
+        if numbers is None or numbers == sorted(numbers):
+            continue
+        for entries in (at, inputs.get(name, [])):
+            if len(entries) == len(at):  # the k-th call's inputs go with its output
+                logged = [cap.log[i] for i in entries]
+                for entry, number in zip(logged, numbers, strict=True):
+                    cap.log[entries[number]] = entry
+        renumbered.append(name)
+    return renumbered
 
 
 def compile_capture(

@@ -127,11 +127,16 @@ def _needs_pickle(exc: BaseException) -> bool:
 
 
 def check_length(model: nn.Module, inputs: Inputs) -> None:
-    """Token ids beyond the model's positions fail deep inside it with a shape error: say so."""
+    """Token ids beyond the model's positions fail deep inside it with a shape error: say so.
+
+    A limit below 1 is no limit: XLNet's config answers -1, as models with relative or rotary
+    positions may."""
     config = getattr(model, "config", None)
     limit = getattr(config, "max_position_embeddings", None)
     ids = inputs.kwargs.get("input_ids")
-    if not isinstance(limit, int) or ids is None or ids.dim() != 2 or ids.shape[1] <= limit:
+    if not isinstance(limit, int) or limit < 1:
+        return
+    if ids is None or ids.dim() != 2 or ids.shape[1] <= limit:
         return
     raise InputError(
         f"{type(model).__name__} takes at most {limit} tokens and the input has {ids.shape[1]}; "

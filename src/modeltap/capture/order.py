@@ -1,0 +1,109 @@
+"""Repeated calls of a module numbered in eager order, for a backend that calls them in another.
+
+`name@k` is the k-th call of `name` in the eager forward. torch.compile can make the same calls
+in another order: dynamo iterates a set in insertion order, CPython in hash order, so Gemma3 and
+ModernBERT (which run `rotary_emb` once per layer type, looping over `set(config.layer_types)`)
+call `rotary_emb` for the full-attention layers first in one and for the sliding ones first in
+the other. Numbered by the compiled run's own order, `rotary_emb` of a compiled dump would hold
+the other call's values than `rotary_emb` of the eager dump.
+
+`eager_calls` runs the eager model once with hooks on the modules the backend saw more than once;
+`renumber` then matches each of the backend's calls with the eager call whose values are nearest
+and gives it that call's number. A module whose calls don't match one to one keeps the backend's
+order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from modeltap.capture.keys import flatten
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+Leaves = list["torch.Tensor"]
+
+
+def tensor_leaves(value: Any) -> Leaves:
+    import torch
+
+    return [leaf for _, leaf in flatten(value) if isinstance(leaf, torch.Tensor)]
+
+
+def eager_calls(
+    model: nn.Module,
+    modules: Sequence[str],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    train_mode: bool,
+    seed: int | None,
+) -> dict[str, list[Leaves]]:
+    """Each of `modules`' calls in one eager forward, in call order: its output's tensor leaves,
+    copied as it returns."""
+    import torch
+
+    from modeltap.capture.eager import model_mode
+    from modeltap.selection import ROOT
+
+    by_name = {(n or ROOT): m for n, m in model.named_modules()}
+    calls: dict[str, list[Leaves]] = {name: [] for name in modules}
+
+    def keep(name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            calls[name].append([t.detach().clone() for t in tensor_leaves(output)])
+
+        return hook
+
+    handles = [by_name[name].register_forward_hook(keep(name)) for name in modules]
+    try:
+        with model_mode(model, train_mode), torch.random.fork_rng(devices=[]), torch.no_grad():
+            if seed is not None:
+                torch.manual_seed(seed)
+            model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+# A backend's call is an eager call when their values are this close, relative to the eager
+# call's largest value: far above what compiling changes in float32 or bfloat16 (kernels that round
+# otherwise), far below the difference between calls on different inputs.
+SAME_CALL = 0.05
+
+
+def matching(got: list[Leaves], eager: list[Leaves]) -> list[int] | None:
+    """For each of the backend's calls, the number of the eager call it is (the only one within
+    SAME_CALL); None when they don't match one to one (dropout in training mode, two calls on the
+    same input)."""
+    if len(got) != len(eager):
+        return None
+    numbers = []
+    for leaves in got:
+        distances = [_distance(leaves, other) for other in eager]
+        close = [d for d in distances if d <= SAME_CALL]
+        if len(close) != 1:
+            return None
+        best = close[0]
+        numbers.append(distances.index(best))
+    return numbers if sorted(numbers) == list(range(len(eager))) else None
+
+
+def _distance(a: Leaves, b: Leaves) -> float:
+    """The largest difference between two calls' leaves, relative to the eager call's scale."""
+    if len(a) != len(b):
+        return float("inf")
+    pairs = list(zip(a, b, strict=True))
+    if any(x.shape != y.shape or x.dtype != y.dtype for x, y in pairs):
+        return float("inf")
+    worst = 0.0
+    for x, y in pairs:
+        if x.numel():
+            x, y = x.detach().double().cpu(), y.double().cpu()
+            worst = max(worst, float((x - y).abs().max() / (y.abs().max() + 1e-12)))
+    return float("inf") if math.isnan(worst) else worst
