@@ -1,0 +1,386 @@
+"""modeltap.generate and `modeltap generate`: each decoding step against an independent run.
+
+The references are plain transformers code: `model.generate` for the tokens, and forwards with the
+model's KV cache and this file's own hooks for every step's values.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from modeltap.cli import app
+from modeltap.dump import load_dump
+from modeltap.generate import (
+    Decoding,
+    StepPlan,
+    generate_model,
+    generation_meta,
+    split_step,
+    step_key,
+    step_view,
+    steps_of,
+)
+from modeltap.loading import text_inputs
+from tests.fixtures.hf import gpt2_tokenizer
+
+PROMPT = "hello world the quick"
+
+
+def tiny_gpt2():  # noqa: ANN201
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=512, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config).eval()
+
+
+def tiny_llama():  # noqa: ANN201
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_t5():  # noqa: ANN201
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=512, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return T5ForConditionalGeneration(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tok():  # noqa: ANN201
+    return gpt2_tokenizer()
+
+
+def _prompt(tok) -> object:  # noqa: ANN001
+    return text_inputs(tok, [PROMPT])
+
+
+def _plain_outputs(model, run) -> dict[str, object]:  # noqa: ANN001
+    """Every module's output of one forward, by this test's own hooks (first call of each)."""
+    outputs: dict[str, object] = {}
+
+    def keep(name: str, out: object) -> None:
+        # copied as returned: the model may change a module's output in place afterwards
+        if name not in outputs:
+            outputs[name] = out.clone() if isinstance(out, torch.Tensor) else out
+            if name == "__root__":
+                outputs[name] = out.logits.clone()
+
+    handles = [
+        module.register_forward_hook(
+            lambda mod, args, out, name=name: keep(name or "__root__", out)
+        )
+        for name, module in model.named_modules()
+    ]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs
+
+
+def _assert_step_matches(view, outputs: dict[str, object]) -> int:  # noqa: ANN001
+    """Each module whose plain output is one tensor, and the root's logits, equal the step's."""
+    checked = 0
+    for name, out in outputs.items():
+        if name == "__root__":
+            key = "__root__:logits"
+        elif isinstance(out, torch.Tensor):
+            key = name
+        else:
+            continue
+        assert key in view.keys(), key
+        torch.testing.assert_close(view[key], out, rtol=1e-5, atol=1e-6, msg=key)
+        checked += 1
+    return checked
+
+
+def _reference_steps(model, inputs, new_ids: list[int]) -> list[dict[str, object]]:  # noqa: ANN001
+    """Plain forwards over the prompt, then over each new token with the cache: what generate
+    runs, written here without modeltap or generate."""
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    steps = []
+    ids = inputs.kwargs["input_ids"]
+    if model.config.is_encoder_decoder:
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        encoded: list[object] = []
+        start = model.config.decoder_start_token_id
+        tokens = [start, *new_ids]
+
+        def first() -> None:
+            encoded.append(model.get_encoder()(input_ids=ids))
+            model(
+                encoder_outputs=encoded[0],
+                decoder_input_ids=torch.tensor([[start]]),
+                past_key_values=cache,
+                use_cache=True,
+            )
+
+        steps.append(_plain_outputs(model, first))
+        for k in range(1, len(new_ids)):
+            steps.append(
+                _plain_outputs(
+                    model,
+                    lambda k=k: model(
+                        encoder_outputs=encoded[0],
+                        decoder_input_ids=torch.tensor([[tokens[k]]]),
+                        past_key_values=cache,
+                        use_cache=True,
+                    ),
+                )
+            )
+        return steps
+    cache = DynamicCache(config=model.config)
+    mask = inputs.kwargs["attention_mask"]
+    steps.append(
+        _plain_outputs(
+            model, lambda: model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        )
+    )
+    for k in range(1, len(new_ids)):
+        full_mask = torch.ones(1, ids.shape[1] + k, dtype=mask.dtype)
+        steps.append(
+            _plain_outputs(
+                model,
+                lambda k=k, m=full_mask: model(
+                    input_ids=torch.tensor([[new_ids[k - 1]]]),
+                    attention_mask=m,
+                    past_key_values=cache,
+                ),
+            )
+        )
+    return steps
+
+
+@pytest.mark.parametrize("build", [tiny_gpt2, tiny_llama, tiny_t5], ids=["gpt2", "llama", "t5"])
+def test_every_step_equals_a_plain_cached_forward(build, tok, tmp_path: Path) -> None:  # noqa: ANN001
+    model = build()
+    inputs = _prompt(tok)
+    n = 5
+    expected = model.generate(**inputs.kwargs, max_new_tokens=n, do_sample=False, num_beams=1)
+    done = generate_model(
+        model, inputs, tmp_path / "g.safetensors", tokenizer=tok,
+        decoding=Decoding(max_new_tokens=n), plan=StepPlan("all"),
+    )  # fmt: skip
+    start = 1 if model.config.is_encoder_decoder else inputs.kwargs["input_ids"].shape[1]
+    assert done.new_ids == expected[:, start:].tolist()
+    dump = load_dump(done.path)
+    assert steps_of(dump) == list(range(len(done.new_ids[0])))
+    reference = _reference_steps(model, inputs, done.new_ids[0])
+    for step, outputs in enumerate(reference):
+        assert _assert_step_matches(step_view(dump, step), outputs) > 5
+
+
+def test_prefill_keys_and_values_equal_a_one_forward_dump(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    from modeltap.run import dump_model
+
+    model = tiny_gpt2()
+    inputs = _prompt(tok)
+    one = load_dump(dump_model(model, inputs, tmp_path / "one.safetensors"))
+    done = generate_model(model, inputs, tmp_path / "g.safetensors", tokenizer=tok)
+    prefill = step_view(load_dump(done.path), 0)
+    assert prefill.keys() == one.keys()
+    for key in one.keys():
+        torch.testing.assert_close(prefill[key], one[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_default_plan_keeps_the_prefill_and_the_last_step(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    model = tiny_gpt2()
+    done = generate_model(
+        model, _prompt(tok), tmp_path / "g.safetensors", tokenizer=tok,
+        decoding=Decoding(max_new_tokens=4),
+    )  # fmt: skip
+    dump = load_dump(done.path)
+    gen = generation_meta(dump)
+    assert gen["full_steps"] == [0, 3] and gen["stop"] == "max_new_tokens"
+    stored_steps = {split_step(k)[0] for k in dump.stored}
+    assert stored_steps == {0, 3}
+    middle = step_view(dump, 2)
+    assert middle.stats_only and "transformer.h.1" in middle.keys()
+    assert middle.stats_for("transformer.h.1") is not None
+    # every step has statistics for the same keys
+    assert step_view(dump, 1).keys() == step_view(dump, 3).keys()
+    # the metadata's tokens and probabilities are the model's own
+    scores = model.generate(
+        **_prompt(tok).kwargs, max_new_tokens=4, do_sample=False, num_beams=1,
+        return_dict_in_generate=True, output_logits=True,
+    ).logits  # fmt: skip
+    for step, logits in zip(gen["steps"], scores, strict=True):
+        probs = torch.softmax(logits[0], -1)
+        assert step["token"] == [int(probs.argmax())]
+        assert step["p"][0] == pytest.approx(float(probs.max()), rel=1e-5)
+        assert step["p_second"][0] <= step["p"][0]
+
+
+def test_steps_option_and_stats_only(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    model = tiny_gpt2()
+    plan = StepPlan.parse("1,3-4")
+    done = generate_model(
+        model, _prompt(tok), tmp_path / "g.safetensors", decoding=Decoding(max_new_tokens=6),
+        plan=plan,
+    )  # fmt: skip
+    dump = load_dump(done.path)
+    assert {split_step(k)[0] for k in dump.stored} == {1, 3, 4}
+    assert not dump.stats_only
+    done = generate_model(
+        model, _prompt(tok), tmp_path / "s.safetensors", decoding=Decoding(max_new_tokens=3),
+        plan=StepPlan("none"),
+    )  # fmt: skip
+    dump = load_dump(done.path)
+    assert dump.stats_only and not dump.stored
+    assert len([k for k in dump.stats if k.startswith("gen/step2/")]) > 10
+
+
+def test_eos_stops_early_with_a_complete_file(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    model = tiny_gpt2()
+    first = generate_model(
+        model, _prompt(tok), tmp_path / "a.safetensors", decoding=Decoding(max_new_tokens=8)
+    )
+    # make the token chosen at step 2 the end of text: decoding stops after 3 tokens
+    eos = first.new_ids[0][2]
+    assert eos not in first.new_ids[0][:2]
+    model.generation_config.eos_token_id = eos
+    done = generate_model(
+        model, _prompt(tok), tmp_path / "b.safetensors", decoding=Decoding(max_new_tokens=8)
+    )
+    assert done.new_ids == [first.new_ids[0][:3]] and done.stop == "eos"
+    dump = load_dump(done.path)
+    assert generation_meta(dump)["full_steps"] == [0, 2]
+    assert steps_of(dump) == [0, 1, 2]
+    assert step_view(dump, 2)["lm_head"].shape[1] == 1
+
+
+def test_sampling_with_a_seed_is_generate_with_that_seed(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    model = tiny_gpt2()
+    decoding = Decoding(max_new_tokens=6, do_sample=True, seed=3, top_k=50, temperature=2.0)
+    done = generate_model(model, _prompt(tok), tmp_path / "g.safetensors", decoding=decoding)
+    torch.manual_seed(3)
+    expected = model.generate(
+        **_prompt(tok).kwargs, max_new_tokens=6, do_sample=True, top_k=50, temperature=2.0
+    )
+    assert done.new_ids == expected[:, len(done.prompt_ids[0]) :].tolist()
+
+
+def test_kv_stores_each_steps_new_positions(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    from transformers import DynamicCache
+
+    model = tiny_gpt2()
+    inputs = _prompt(tok)
+    done = generate_model(
+        model, inputs, tmp_path / "g.safetensors", decoding=Decoding(max_new_tokens=3),
+        plan=StepPlan("all"), kv=True,
+    )  # fmt: skip
+    dump = load_dump(done.path)
+    cache = DynamicCache(config=model.config)
+    ids = torch.cat([inputs.kwargs["input_ids"], torch.tensor([done.new_ids[0][:2]])], 1)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+    length = inputs.kwargs["input_ids"].shape[1]
+    for layer in range(2):
+        keys, values = cache.layers[layer].keys, cache.layers[layer].values
+        for step, (lo, hi) in enumerate([(0, length), (length, length + 1), (length + 1, None)]):
+            view = step_view(dump, step)
+            torch.testing.assert_close(view[f"cache:{layer}.key"], keys[..., lo:hi, :])
+            torch.testing.assert_close(view[f"cache:{layer}.value"], values[..., lo:hi, :])
+
+
+def test_interrupted_generation_leaves_nothing(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    model = tiny_gpt2()
+    calls = []
+
+    def interrupt(module, args, output) -> None:  # noqa: ANN001
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    handle = model.transformer.h[1].register_forward_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            generate_model(model, _prompt(tok), tmp_path / "g.safetensors")
+    finally:
+        handle.remove()
+    assert list(tmp_path.iterdir()) == []
+    # the model is as before: no hook of modeltap left on it
+    assert not model._forward_pre_hooks and not model.transformer.h[0]._forward_hooks
+
+
+def test_step_keys() -> None:
+    assert step_key(12, "encoder.layer.0:0") == "gen/step12/encoder.layer.0:0"
+    assert split_step("gen/step12/encoder.layer.0:0") == (12, "encoder.layer.0:0")
+    assert split_step("encoder.layer.0") is None
+    assert StepPlan.parse("0,5-7").steps == {0, 5, 6, 7}
+
+
+runner = CliRunner()
+
+
+def test_cli_generate_and_show(gpt2_dir: Path) -> None:
+    result = runner.invoke(
+        app, ["generate", str(gpt2_dir), PROMPT, "--max-new-tokens", "4", "-o", "g.safetensors"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "generated (4 tokens)" in result.output
+    assert "stopped by max_new_tokens" in result.output
+    shown = runner.invoke(app, ["show", "g.safetensors"])
+    assert shown.exit_code == 0 and "prompt: 'hello world the quick'" in shown.output
+    tree = runner.invoke(app, ["show", "g.safetensors", "--step", "2"])
+    assert tree.exit_code == 0 and "decoding step 2" in tree.output
+    assert "transformer" in tree.output and "statistics only" in tree.output
+    as_json = runner.invoke(app, ["show", "g.safetensors", "--json"])
+    assert json.loads(as_json.output)["generate"]["stop"] == "max_new_tokens"
+    missing = runner.invoke(app, ["show", "g.safetensors", "--step", "9"])
+    assert missing.exit_code == 2 and "no step 9" in missing.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-new-tokens", "0"], "--max-new-tokens is 0; give 1 or more"),
+        (["--max-new-tokens", "-3"], "--max-new-tokens is -3"),
+        (["--model-class", "AutoModel"], "--model-class AutoModelForCausalLM"),
+        (["--temperature", "0.7"], "add --do-sample"),
+        (["--full", "--steps", "1"], "give one of --full and --steps"),
+        (["--steps", "3-1"], "rising range"),
+    ],
+)
+def test_cli_bad_input_is_one_line(gpt2_dir: Path, args: list[str], message: str) -> None:
+    result = runner.invoke(app, ["generate", str(gpt2_dir), PROMPT, "-o", "g.safetensors", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert not Path("g.safetensors").exists()
+
+
+def test_cli_prompt_longer_than_the_positions(gpt2_dir: Path) -> None:
+    result = runner.invoke(app, ["generate", str(gpt2_dir), "hello " * 70, "-o", "g.safetensors"])
+    assert result.exit_code == 2, result.output
+    assert "64 positions" in result.output and "shorten the prompt" in result.output
+
+
+def test_help_reads_well_at_80_columns() -> None:
+    result = runner.invoke(app, ["generate", "--help"], terminal_width=80, env={"COLUMNS": "80"})
+    assert result.exit_code == 0
+    assert max(len(line) for line in result.stdout.splitlines()) <= 80
+    assert "<bool>" not in result.stdout and "…" not in result.stdout
+    assert "[default: AutoModelForCausalLM" in " ".join(result.stdout.split())
