@@ -384,3 +384,127 @@ def test_help_reads_well_at_80_columns() -> None:
     assert max(len(line) for line in result.stdout.splitlines()) <= 80
     assert "<bool>" not in result.stdout and "…" not in result.stdout
     assert "[default: AutoModelForCausalLM" in " ".join(result.stdout.split())
+
+
+# diff of two generation dumps, compare --generate ------------------------------------------
+
+
+def _faulted(gpt2_dir: Path, folder: Path, position: int) -> Path:
+    """The tiny GPT-2 with one row of its position embedding replaced: a fault that only the
+    forward at that position sees, i.e. only from some decoding step on."""
+    import shutil
+
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(gpt2_dir)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model.transformer.wpe.weight[position] = torch.randn(32, generator=generator) * 2
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (gpt2_dir / name).is_file():
+            shutil.copy(gpt2_dir / name, folder / name)
+    return folder
+
+
+def _prompt_length(tok) -> int:  # noqa: ANN001
+    return _prompt(tok).kwargs["input_ids"].shape[1]
+
+
+def test_diff_of_two_generations(gpt2_dir: Path, tok, tmp_path: Path) -> None:  # noqa: ANN001
+    length = _prompt_length(tok)
+    faulted = _faulted(gpt2_dir, tmp_path / "faulted", length + 2)
+    for name, model in (("a", gpt2_dir), ("b", gpt2_dir), ("f", faulted)):
+        result = runner.invoke(
+            app, ["generate", str(model), PROMPT, "--max-new-tokens", "6", "-o", f"{name}.st"]
+        )
+        assert result.exit_code == 0, result.output
+    same = runner.invoke(app, ["diff", "a.st", "b.st"])
+    assert same.exit_code == 0, same.output
+    assert "tokens agree at every common step" in same.output
+    report = runner.invoke(app, ["diff", "f.st", "a.st", "--json"])
+    assert report.exit_code == 1, report.output
+    data = json.loads(report.stdout)
+    # the fault is at the position step 3 reads: steps 0-2 agree, step 3 is the first to differ,
+    # on its statistics (the default keeps tensors of steps 0 and 5 only)
+    assert data["first_divergence"] == {"step": 3, "key": "transformer.wpe"}
+    assert [s["failed"] == 0 for s in data["steps"]][:3] == [True, True, True]
+    assert data["steps"][3]["by"] == "statistics"
+    # independently: where the two models' own greedy generations part
+    from transformers import GPT2LMHeadModel
+
+    ids = _prompt(tok).kwargs
+    new = [
+        GPT2LMHeadModel.from_pretrained(m).generate(**ids, max_new_tokens=6, do_sample=False)[
+            0, length:
+        ]
+        for m in (faulted, gpt2_dir)
+    ]
+    split = next(i for i, (x, y) in enumerate(zip(*new, strict=True)) if x != y)
+    assert data["token_split"]["step"] == split
+    plain = runner.invoke(app, ["dump", str(gpt2_dir), PROMPT, "-o", "one.st"])
+    assert plain.exit_code == 0
+    mixed = runner.invoke(app, ["diff", "a.st", "one.st"])
+    assert mixed.exit_code == 2 and "is not a generation dump" in mixed.output
+
+
+def _first_departure(reference, candidate, ids: dict, new: list[int]) -> int:  # noqa: ANN001
+    """Independently: one forward of each model over the prompt and the reference's tokens; the
+    first position (as a step) where their likeliest next tokens differ."""
+    full = torch.cat([ids["input_ids"], torch.tensor([new[:-1]])], 1)
+    with torch.no_grad():
+        a = reference(input_ids=full).logits[0, ids["input_ids"].shape[1] - 1 :].argmax(-1)
+        b = candidate(input_ids=full).logits[0, ids["input_ids"].shape[1] - 1 :].argmax(-1)
+    return int((a != b).nonzero()[0])
+
+
+def test_compare_generate_names_the_step_and_the_layer(
+    gpt2_dir: Path,
+    tok,
+    tmp_path: Path,  # noqa: ANN001
+) -> None:
+    from transformers import GPT2LMHeadModel
+
+    length = _prompt_length(tok)
+    faulted = _faulted(gpt2_dir, tmp_path / "faulted", length + 2)
+    args = ["compare", str(gpt2_dir), str(faulted), PROMPT, "--generate", "6", "--json"]
+    result = runner.invoke(app, [*args, "--out-dir", "cmp"])
+    assert result.exit_code == 1, result.output
+    data = json.loads(result.stdout)
+    reference, candidate = (GPT2LMHeadModel.from_pretrained(m) for m in (gpt2_dir, faulted))
+    ids = _prompt(tok).kwargs
+    new = reference.generate(**ids, max_new_tokens=6, do_sample=False)[0, length:].tolist()
+    assert data["reference_ids"] == [new]
+    expected = _first_departure(reference, candidate, ids, new)
+    assert expected == 3  # the fault is seen from step 3 on, and there it changes the token
+    assert data["departure"]["step"] == expected
+    assert data["attributed_step"] == expected
+    assert data["origins"][0]["module"] == "transformer.wpe"
+    assert data["steps"]["first_divergence"] == {"step": 3, "key": "transformer.wpe"}
+    free = candidate.generate(**ids, max_new_tokens=6, do_sample=False)[0, length:].tolist()
+    assert data["candidate_ids"] == [free]
+    assert {p.name for p in Path("cmp").iterdir()} == {
+        "candidate.gen.safetensors",
+        "reference.gen.safetensors",
+        "report.json",
+    }
+    text = runner.invoke(app, args[:-1])
+    assert "tokens agree up to step 3" in text.output
+    assert "origin at step 3: transformer.wpe" in text.output
+
+
+def test_compare_generate_of_identical_models_passes(gpt2_dir: Path) -> None:
+    result = runner.invoke(
+        app, ["compare", str(gpt2_dir), PROMPT, "--generate", "4", "--against", "fp32"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "tokens agree at every step" in result.output and "origin" not in result.output
+
+
+def test_compare_generate_refuses_sampling_without_a_seed(gpt2_dir: Path) -> None:
+    args = ["compare", str(gpt2_dir), PROMPT, "--generate", "4", "--against", "bf16"]
+    result = runner.invoke(app, [*args, "--do-sample"])
+    assert result.exit_code == 2 and "needs --seed N" in result.output
+    seeded = runner.invoke(app, [*args, "--do-sample", "--seed", "1", "--preset", "exact"])
+    assert seeded.exit_code in (0, 1), seeded.output
+    assert "against the reference: 4 steps" in seeded.output

@@ -275,6 +275,7 @@ def generate_model(
     plan: StepPlan | None = None,
     selection: Selection | None = None,
     kv: bool = False,
+    forced: list[list[int]] | None = None,
     dead_threshold: float = 0.0,
     metadata: dict[str, str] | None = None,
     max_inflight: int = DEFAULT_MAX_INFLIGHT,
@@ -284,6 +285,8 @@ def generate_model(
 
     `plan`: which steps keep tensors (default: the prefill and the last; the rest statistics).
     `kv`: also store each step's new self-attention K/V positions (`gen/step{k}/cache:{i}.key`).
+    `forced`: new token ids (per row) that each step must choose (teacher forcing: another
+    model's generation); the steps' probabilities stay this model's own.
     """
     import torch
 
@@ -314,6 +317,8 @@ def generate_model(
         # every position's logits in the prefill, as a one-forward dump has them (generate asks
         # for the last only); a decoding step has one position either way
         kwargs["logits_to_keep"] = 0
+    if forced is not None:
+        kwargs["logits_processor"] = _forcing(forced)
     skipped: dict[str, str] = {}
     with writer, torch.random.fork_rng(devices=[]):
         torch.manual_seed(decoding.seed)
@@ -341,6 +346,7 @@ def generate_model(
             "full_steps": sink.full_steps,
             "plan": plan.describe(),
             "kv": kv,
+            "forced": forced is not None,
             "decoding": {**decoding.generate_kwargs(), "seed": decoding.seed},
             "generation_config": _generation_config(model),
         }
@@ -404,6 +410,28 @@ def _steps(
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _forcing(forced: list[list[int]]) -> Any:
+    """A logits processor that leaves each row one choice at each step: its forced token."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Forced(LogitsProcessor):
+        def __init__(self) -> None:
+            self.start: int | None = None
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if self.start is None:
+                self.start = input_ids.shape[1]
+            step = input_ids.shape[1] - self.start
+            out = scores.clone()
+            for row, tokens in enumerate(forced):
+                if step < len(tokens):
+                    out[row] = float("-inf")
+                    out[row, tokens[step]] = 0.0
+            return out
+
+    return LogitsProcessorList([Forced()])
 
 
 def _step_length(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

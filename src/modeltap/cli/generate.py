@@ -267,3 +267,148 @@ def run_generate(s: Settings, *, json_out: bool, class_given: bool) -> None:
     assert done.path is not None
     print_generation(load_dump(done.path), step=None, json_out=json_out)
     err.print(f"wrote {done.path} ({done.path.stat().st_size / 1e6:.1f} MB)")
+
+
+def print_generation_diff(
+    a: Path,
+    b: Path,
+    s: Settings,
+    tolerance: Any,
+    overrides: Any,
+    *,
+    json_out: bool,
+    show_all: bool,
+    junit: Path | None,
+) -> bool:
+    """`modeltap diff` of two generation dumps: the token split and each common step."""
+    import json
+
+    from modeltap.generation_diff import diff_generations
+
+    unsupported = [
+        flag
+        for flag, given in (
+            ("--map", s.map), ("--include", s.include), ("--exclude", s.exclude),
+            ("--strict", s.strict), ("--junit", junit),
+        )
+        if given
+    ]  # fmt: skip
+    if unsupported:
+        raise InputError(
+            f"{unsupported[0]} is for one-forward dumps; diff generation dumps without it, or "
+            "one step of each with `modeltap show FILE --step K`"
+        )
+    report = diff_generations(
+        a, b, tolerance=tolerance, overrides=overrides, equal_nan=s.equal_nan, upcast=s.upcast
+    )
+    if json_out:
+        print(json.dumps(report.to_json(), indent=1))
+        return report.passed
+    from modeltap.cli.app import stdout
+    from modeltap.render.generation import generation_diff_heading, generation_diff_table
+
+    console = stdout()
+    console.print(generation_diff_heading(report))
+    console.print(generation_diff_table(report, show_all=show_all))
+    return report.passed
+
+
+def run_compare_generate(
+    s: Settings,
+    variant: Any,
+    tolerance: Any,
+    overrides: Any,
+    work: Path | None,
+    *,
+    seed_given: bool,
+    class_given: bool,
+    json_out: bool,
+    show_all: bool,
+    refused: dict[str, Any],
+) -> bool:
+    """`compare --generate N`: load, run `compare_generation`, print; True when it passed."""
+    import json
+    import tempfile
+
+    import torch
+
+    from modeltap.cli.app import stdout, write_atomically
+    from modeltap.compare import make_candidate
+    from modeltap.compare.generate import compare_generation
+    from modeltap.compare.replay import Options
+    from modeltap.compare.variants import compute_dtype, model_device
+    from modeltap.generate import prompt_inputs
+    from modeltap.loading import load_model
+    from modeltap.selection import Selection
+
+    refused = {**refused, "--input-file": s.input_file, "--train-mode": s.train_mode}
+    given = [flag for flag, value in refused.items() if value]
+    if given:
+        raise InputError(f"{given[0]} is for one-forward comparisons; drop it with --generate")
+    if variant.backend:
+        raise InputError(
+            f"--against {variant.backend} with --generate is not supported; compare one forward "
+            f"(drop --generate), or generate with each and `modeltap diff` the two files"
+        )
+    if s.do_sample and not seed_given:
+        raise InputError(
+            "--do-sample in compare needs --seed N: the candidate is forced to the tokens the "
+            "reference sampled, and only a seeded reference run can be made again"
+        )
+    options_ = decoding(s)
+    err = stderr()
+    with err.status(f"loading {s.model}"):
+        loaded, tok = load_generator(s, class_given=class_given)
+        base = loaded.model
+        if s.candidate is not None:
+            other = load_model(
+                s.candidate,
+                revision=s.revision,
+                model_class_name=type(loaded.model).__name__,
+                dtype=s.dtype,
+                device=s.device,
+                trust_remote_code=s.trust_remote_code,
+            )
+            base = other.model
+        candidate = make_candidate(base, variant, shared=s.candidate is None)
+    inputs = prompt_inputs(loaded.model, tok, s.texts, chat=s.chat)
+    inputs = inputs.to(loaded.device, getattr(torch, loaded.dtype))
+    options = Options(
+        tolerance=tolerance, overrides=overrides, rename=s.map, equal_nan=s.equal_nan, seed=s.seed
+    )
+    with tempfile.TemporaryDirectory(prefix="modeltap-compare-") as tmp:
+        with err.status(f"generating with {loaded.model_class} and {variant.label}"):
+            result = compare_generation(
+                loaded.model,
+                candidate,
+                inputs,
+                work or tmp,
+                decoding=options_,
+                selection=Selection(s.depth, tuple(s.include), tuple(s.exclude)),
+                options=options,
+                tokenizer=tok,
+            )
+    result.meta = {
+        "reference": {"model": s.model, "model_class": loaded.model_class, "dtype": loaded.dtype},
+        "candidate": {
+            "model": s.candidate or s.model,
+            "variant": variant.label,
+            "dtype": str(compute_dtype(candidate)).removeprefix("torch."),
+            "device": str(model_device(candidate)),
+        },
+    }
+    if work is not None:
+        write_atomically(work / "report.json", json.dumps(result.to_json(), indent=1))
+    if json_out:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        from modeltap.render.generation import compare_generation_heading, generation_diff_table
+
+        console = stdout()
+        console.print(compare_generation_heading(result))
+        console.print(generation_diff_table(result.steps, show_all=show_all))
+    if work is not None:
+        err.print(
+            f"wrote {work}/: candidate.gen.safetensors, reference.gen.safetensors, report.json"
+        )
+    return result.passed

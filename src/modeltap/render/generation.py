@@ -96,3 +96,104 @@ def generation_json(dump: Dump, gen: dict[str, Any]) -> dict[str, Any]:
         "generate": gen,
         "keys": len(dump.order or []),
     }
+
+
+def generation_diff_heading(report: Any) -> Text:
+    """Verdict, the first step whose token differs, and the first diverging step x module."""
+    text = Text()
+    verdict = "PASS" if report.passed else "FAIL"
+    text.append(f"{verdict}", style="bold green" if report.passed else "bold red")
+    steps = report.steps
+    text.append(
+        f"  {len(steps)} common steps compared ({report.tolerance.describe()})"
+        + (f"; steps only in A: {_ranges(report.only_a)}" if report.only_a else "")
+        + (f"; steps only in B: {_ranges(report.only_b)}" if report.only_b else "")
+        + "\n"
+    )
+    split = report.split
+    if split is None:
+        text.append("tokens agree at every common step\n")
+    else:
+        row = f" (row {split.row})" if split.row else ""
+        text.append(f"tokens agree up to step {split.step}{row}; at step {split.step} ")
+        text.append(
+            f"A chose {_token(split.text_a, split.token_a)} (p={split.p_a:.3g}), "
+            f"B {_token(split.text_b, split.token_b)} (p={split.p_b:.3g})\n"
+        )
+    first = report.first_divergence
+    if first is None:
+        text.append("every compared step within tolerance")
+    else:
+        text.append(f"first divergence: step {first.step}, {first.first}", style="bold")
+        text.append(f" (by {first.by})")
+    return text
+
+
+def generation_diff_table(report: Any, *, show_all: bool = False) -> Table:
+    """Per step: how it was compared, how many keys are out of tolerance, the largest error."""
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for name, justify in (
+        ("step", "right"),
+        ("by", "left"),
+        ("out", "right"),
+        ("first out of tolerance", "left"),
+        ("max abs", "right"),
+        ("on", "left"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for s in report.steps:
+        if s.ok and not show_all and s.step != 0:
+            continue
+        table.add_row(
+            str(s.step),
+            s.by,
+            f"{s.failed}/{s.compared}",
+            s.first or "",
+            "" if s.max_abs is None else f"{s.max_abs:.3g}",
+            s.worst or "",
+        )
+    return table
+
+
+def compare_generation_heading(result: Any) -> Text:
+    """compare --generate: verdict, where the tokens part, the origin, and both texts."""
+    text = Text()
+    text.append(
+        "PASS" if result.passed else "FAIL", style="bold green" if result.passed else "bold red"
+    )
+    cand = result.meta.get("candidate", {})
+    steps = result.steps.steps
+    text.append(
+        f"  {cand.get('variant', 'candidate')} against the reference: {len(steps)} steps with "
+        f"the reference's tokens forced ({result.steps.tolerance.describe()})\n"
+    )
+    leaving = result.departure
+    if leaving is None:
+        text.append(
+            "tokens agree at every step (the candidate's likeliest token is the reference's)\n"
+        )
+    else:
+        text.append(
+            f"tokens agree up to step {leaving.step}; at step {leaving.step} ", style="bold"
+        )
+        text.append(
+            f"the reference says {_token(leaving.reference_text, leaving.reference)} "
+            f"(p={leaving.p_reference:.3g}), the candidate "
+            f"{_token(leaving.candidate_text, leaving.candidate)} (p={leaving.p_candidate:.3g}, "
+            f"margin {leaving.margin:.3g} over the reference's token)\n"
+        )
+    first = result.steps.first_divergence
+    if first is not None:
+        text.append(f"first divergence: step {first.step}, {first.first}\n")
+    if result.attribution is not None:
+        origins = result.attribution.origins
+        names = ", ".join(m.name for m in origins[:3]) or "no single module (see --json)"
+        text.append(f"origin at step {result.attributed_step}: ", style="bold")
+        text.append(f"{names} (replayed with the reference's tokens forced)\n")
+    text.append(f"reference text: {_texts(result.reference.texts)}\n")
+    text.append(f"candidate text (free-running): {_texts(result.free.texts)}")
+    return text
+
+
+def _texts(texts: list[str]) -> str:
+    return " | ".join(repr(t) for t in texts) if texts else "(no tokenizer)"
