@@ -508,3 +508,12 @@ def test_compare_generate_refuses_sampling_without_a_seed(gpt2_dir: Path) -> Non
     seeded = runner.invoke(app, [*args, "--do-sample", "--seed", "1", "--preset", "exact"])
     assert seeded.exit_code in (0, 1), seeded.output
     assert "against the reference: 4 steps" in seeded.output
+
+
+def test_cli_new_tokens_past_the_positions(gpt2_dir: Path, tok) -> None:  # noqa: ANN001
+    room = 64 - _prompt_length(tok)
+    args = ["generate", str(gpt2_dir), PROMPT, "-o", "g.safetensors", "--max-new-tokens"]
+    result = runner.invoke(app, [*args, str(room + 1)])
+    assert result.exit_code == 2, result.output
+    assert f"at most {room} new ones fit" in result.output
+    assert not Path("g.safetensors").exists()

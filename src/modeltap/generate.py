@@ -187,15 +187,23 @@ def check_can_generate(model: nn.Module) -> None:
 
 
 def check_prompt_length(model: nn.Module, prompt_tokens: int, max_new_tokens: int) -> None:
-    """The prompt must leave the positions room for at least one step (the prefill)."""
+    """The prompt and the new tokens must fit the model's positions (past them a learned position
+    embedding fails with an index error deep inside the model)."""
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         return
     limit = getattr(config, "max_position_embeddings", None)
-    if isinstance(limit, int) and prompt_tokens >= limit:
+    if not isinstance(limit, int):
+        return
+    if prompt_tokens >= limit:
         raise InputError(
             f"{type(model).__name__} has {limit} positions and the prompt takes {prompt_tokens} "
             "tokens, leaving none to generate; shorten the prompt"
+        )
+    if prompt_tokens + max_new_tokens > limit:
+        raise InputError(
+            f"{type(model).__name__} has {limit} positions and the prompt takes {prompt_tokens} "
+            f"tokens: at most {limit - prompt_tokens} new ones fit; lower --max-new-tokens"
         )
 
 

@@ -13,7 +13,9 @@ if TYPE_CHECKING:
 
 
 def _token(text: str | None, token: int) -> str:
-    return repr(text) if text is not None else str(token)
+    """`340 'quick'`: the id, and the text when a tokenizer gave one (a byte of a longer
+    character decodes to '' or '�' alone)."""
+    return f"{token} {text!r}" if text is not None else str(token)
 
 
 def generation_heading(dump: Dump, gen: dict[str, Any]) -> Text:
@@ -39,8 +41,8 @@ def generation_heading(dump: Dump, gen: dict[str, Any]) -> Text:
         else "greedy"
     )
     text.append(
-        f"{gen['forwards']} steps, {how}, stopped by {gen['stop']}; tensors of step(s) "
-        f"{_ranges(gen.get('full_steps', []))}, statistics of the others"
+        f"{gen['forwards']} steps, {how}, stopped by {gen['stop']}; tensors: steps "
+        f"{_ranges(gen.get('full_steps', []))} (others: statistics)"
     )
     return text
 
