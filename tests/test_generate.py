@@ -517,3 +517,52 @@ def test_cli_new_tokens_past_the_positions(gpt2_dir: Path, tok) -> None:  # noqa
     assert result.exit_code == 2, result.output
     assert f"at most {room} new ones fit" in result.output
     assert not Path("g.safetensors").exists()
+
+
+def test_compare_generation_of_an_encoder_decoder(tmp_path: Path, tok) -> None:  # noqa: ANN001
+    import copy
+
+    from modeltap.compare.generate import compare_generation
+
+    reference = tiny_t5()
+    same = compare_generation(
+        reference, copy.deepcopy(reference), _prompt(tok), tmp_path,
+        decoding=Decoding(max_new_tokens=4),
+    )  # fmt: skip
+    assert same.passed and same.attribution is None
+    candidate = copy.deepcopy(reference)
+    with torch.no_grad():
+        candidate.decoder.block[1].layer[2].DenseReluDense.wo.weight.mul_(3.0)
+    result = compare_generation(
+        reference, candidate, _prompt(tok), tmp_path, decoding=Decoding(max_new_tokens=4)
+    )
+    assert not result.passed
+    # the decoder's feed-forward changes every step, the prefill first
+    assert result.steps.first_divergence.step == 0
+    assert result.attributed_step is not None
+    origins = [m.name for m in result.attribution.origins]
+    assert origins and origins[0] == "decoder.block.1.layer.2.DenseReluDense.wo", origins
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "candidate.gen.safetensors",
+        "reference.gen.safetensors",
+    ]
+
+
+def test_chat_prompts_go_through_the_template(tok) -> None:  # noqa: ANN001
+    from modeltap.errors import InputError
+    from modeltap.generate import prompt_inputs
+
+    model = tiny_gpt2()
+    with pytest.raises(InputError, match="no chat template"):
+        prompt_inputs(model, tok, ["hello"], chat=True)
+    tok.chat_template = (
+        "{% for m in messages %}<|endoftext|>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %} the{% endif %}"
+    )
+    try:
+        inputs = prompt_inputs(model, tok, ["hello world"], chat=True)
+    finally:
+        tok.chat_template = None
+    expected = tok("<|endoftext|>hello world the", add_special_tokens=False)["input_ids"]
+    assert inputs.kwargs["input_ids"].tolist() == [expected]
+    assert inputs.description["texts"] == ["hello world"]

@@ -113,7 +113,8 @@ def compare_command(
         typer.Option(
             "--generate",
             help="Compare N decoding steps of generate(), the candidate forced to the "
-            "reference's tokens (see `modeltap generate`).",
+            "reference's tokens; loads the model with its LM head unless --model-class says "
+            "otherwise (see `modeltap generate`).",
             metavar="N",
             rich_help_panel=RUNNING,
         ),

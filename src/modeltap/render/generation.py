@@ -165,8 +165,10 @@ def compare_generation_heading(result: Any) -> Text:
     )
     cand = result.meta.get("candidate", {})
     steps = result.steps.steps
+    label = cand.get("variant", "candidate")
+    label = cand.get("model", "candidate") if label == "same" else label
     text.append(
-        f"  {cand.get('variant', 'candidate')} against the reference: {len(steps)} steps with "
+        f"  {label} against the reference: {len(steps)} steps with "
         f"the reference's tokens forced ({result.steps.tolerance.describe()})\n"
     )
     leaving = result.departure
