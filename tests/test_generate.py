@@ -54,6 +54,19 @@ def tiny_llama():  # noqa: ANN201
     return LlamaForCausalLM(config).eval()
 
 
+def tiny_mixtral():  # noqa: ANN201
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0,
+    )  # fmt: skip
+    return MixtralForCausalLM(config).eval()
+
+
 def tiny_t5():  # noqa: ANN201
     from transformers import T5Config, T5ForConditionalGeneration
 
@@ -174,7 +187,9 @@ def _reference_steps(model, inputs, new_ids: list[int]) -> list[dict[str, object
     return steps
 
 
-@pytest.mark.parametrize("build", [tiny_gpt2, tiny_llama, tiny_t5], ids=["gpt2", "llama", "t5"])
+@pytest.mark.parametrize(
+    "build", [tiny_gpt2, tiny_llama, tiny_mixtral, tiny_t5], ids=["gpt2", "llama", "moe", "t5"]
+)
 def test_every_step_equals_a_plain_cached_forward(build, tok, tmp_path: Path) -> None:  # noqa: ANN001
     model = build()
     inputs = _prompt(tok)
@@ -566,3 +581,26 @@ def test_chat_prompts_go_through_the_template(tok) -> None:  # noqa: ANN001
     expected = tok("<|endoftext|>hello world the", add_special_tokens=False)["input_ids"]
     assert inputs.kwargs["input_ids"].tolist() == [expected]
     assert inputs.description["texts"] == ["hello world"]
+
+
+def test_generate_under_offload_equals_the_plain_run(gpt2_dir: Path) -> None:
+    """accelerate places the model on the CPU and the disk; the steps are the same."""
+    from safetensors import safe_open
+
+    with safe_open(str(gpt2_dir / "model.safetensors"), "pt") as f:
+        total = sum(f.get_tensor(k).numel() * 4 for k in f.keys())
+    args = ["generate", str(gpt2_dir), PROMPT, "--max-new-tokens", "4", "--full"]
+    plain = runner.invoke(app, [*args, "-o", "plain.st"])
+    assert plain.exit_code == 0, plain.output
+    placed = runner.invoke(
+        app,
+        [*args, "-o", "placed.st", "--device-map", "auto", "--max-memory",
+         f"cpu={total // 2}", "--offload-folder", "off"],
+    )  # fmt: skip
+    assert placed.exit_code == 0, placed.output
+    a, b = load_dump("plain.st"), load_dump("placed.st")
+    assert "disk" in json.loads(b.metadata["device_map"]).values()
+    assert generation_meta(a)["new_ids"] == generation_meta(b)["new_ids"]
+    assert a.keys() == b.keys() and len(a.stored) > 50
+    for key in a.stored:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-7, msg=key)
