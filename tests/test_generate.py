@@ -604,3 +604,13 @@ def test_generate_under_offload_equals_the_plain_run(gpt2_dir: Path) -> None:
     assert a.keys() == b.keys() and len(a.stored) > 50
     for key in a.stored:
         torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_compare_generate_against_bf16_compares_across_dtypes(gpt2_dir: Path) -> None:
+    args = ["compare", str(gpt2_dir), PROMPT, "--generate", "4", "--against", "bf16", "--json"]
+    result = runner.invoke(app, args)
+    data = json.loads(result.stdout)
+    assert data["candidate"]["dtype"] == "bfloat16"
+    # each bfloat16 tensor compared with its float32 reference, not refused as another dtype
+    assert all(s["by"] == "tensors" and s["failed"] == 0 for s in data["steps"]["steps"])
+    assert result.exit_code == 0, result.output

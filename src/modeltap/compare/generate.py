@@ -159,6 +159,7 @@ def compare_generation(
         tolerance=options.tolerance,
         overrides=options.overrides,
         equal_nan=options.equal_nan,
+        upcast=True,  # a bfloat16 candidate against a float32 reference, as compare does
     )
     leaving = departure(ref, forced)
     result = GenerationComparison(ref, forced, free, steps, leaving)
