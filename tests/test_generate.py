@@ -614,3 +614,23 @@ def test_compare_generate_against_bf16_compares_across_dtypes(gpt2_dir: Path) ->
     # each bfloat16 tensor compared with its float32 reference, not refused as another dtype
     assert all(s["by"] == "tensors" and s["failed"] == 0 for s in data["steps"]["steps"])
     assert result.exit_code == 0, result.output
+
+
+def test_prefill_logits_of_every_position_only_when_captured(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    from modeltap.selection import Selection
+
+    model = tiny_gpt2()
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda m, a, out: seen.append(out.shape[1]))
+    try:
+        generate_model(
+            model, _prompt(tok), tmp_path / "a.st", decoding=Decoding(max_new_tokens=2),
+            selection=Selection(include=("transformer.h.0",)),
+        )  # fmt: skip
+        blocks_only = list(seen)
+        seen.clear()
+        generate_model(model, _prompt(tok), tmp_path / "b.st", decoding=Decoding(max_new_tokens=2))
+    finally:
+        handle.remove()
+    assert blocks_only == [1, 1]  # generate's own economy: the last position only
+    assert seen == [_prompt_length(tok), 1]

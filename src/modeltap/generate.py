@@ -321,7 +321,7 @@ def generate_model(
     sink = _StepSink(writer, plan)
     kwargs = {**inputs.kwargs, **decoding.generate_kwargs()}
     kwargs.update(return_dict_in_generate=True, output_logits=True)
-    if _takes(model, "logits_to_keep"):
+    if _takes(model, "logits_to_keep") and _logits_captured(model, modules):
         # every position's logits in the prefill, as a one-forward dump has them (generate asks
         # for the last only); a decoding step has one position either way
         kwargs["logits_to_keep"] = 0
@@ -462,6 +462,16 @@ def _self_attention(cache: Any) -> list[tuple[Any, Any]]:
             if getattr(layer, "keys", None) is not None
         ]
     return [(k, v) for k, v, *_ in cache]
+
+
+def _logits_captured(model: nn.Module, modules: list[str]) -> bool:
+    """Whether the root or the LM head is selected: only then are the prefill's logits computed
+    for every position (with a long prompt and a large vocabulary they are the largest tensor)."""
+    from modeltap.selection import ROOT, display_name
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {display_name(n) for n, m in model.named_modules() if m is head}
+    return ROOT in modules or bool(names & set(modules))
 
 
 def _takes(model: nn.Module, name: str) -> bool:
