@@ -54,6 +54,20 @@ def tiny_llama():  # noqa: ANN201
     return LlamaForCausalLM(config).eval()
 
 
+def tiny_decoder(name: str):  # noqa: ANN201
+    """A tiny Mistral or Gemma (the Llama family's variations: sliding window, GeGLU, scaled
+    embeddings)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return getattr(transformers, f"{name}ForCausalLM")(config).eval()
+
+
 def tiny_mixtral():  # noqa: ANN201
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -188,7 +202,16 @@ def _reference_steps(model, inputs, new_ids: list[int]) -> list[dict[str, object
 
 
 @pytest.mark.parametrize(
-    "build", [tiny_gpt2, tiny_llama, tiny_mixtral, tiny_t5], ids=["gpt2", "llama", "moe", "t5"]
+    "build",
+    [
+        tiny_gpt2,
+        tiny_llama,
+        lambda: tiny_decoder("Mistral"),
+        lambda: tiny_decoder("Gemma"),
+        tiny_mixtral,
+        tiny_t5,
+    ],
+    ids=["gpt2", "llama", "mistral", "gemma", "moe", "t5"],
 )
 def test_every_step_equals_a_plain_cached_forward(build, tok, tmp_path: Path) -> None:  # noqa: ANN001
     model = build()
