@@ -1,29 +1,24 @@
-"""Decoding steps as a sequence of captures: `model.generate()` with every step's forward hooked.
-
-Step 0 is the prompt's forward (the prefill; for an encoder-decoder the encoder's forward too), step
-k the forward that takes the k-th new token, using the KV cache; step k chooses new token k + 1.
-Each step's keys are a one-forward dump's keys under `gen/step{k}/`, so a step read through
-`step_view` is an ordinary `Dump` that `show` and `diff` handle as they handle any dump. The number
-of steps is not known in advance: a step is a forward of the root module, counted as it starts.
-
-Metadata `generate` (JSON): the prompt, its ids, the new ids and text of each row, each step's
-chosen token with its probability and the runner-up, which steps hold tensors, and why decoding
-stopped.
-"""
+"""`generate_model`: `model.generate()` with every step's forward hooked, streamed to one file."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from modeltap.dump import DEFAULT_MAX_INFLIGHT, Dump, DumpWriter, load_dump
-from modeltap.errors import InputError, RunError, first_line
+from modeltap.dump import DEFAULT_MAX_INFLIGHT, DumpWriter
+from modeltap.errors import RunError, first_line
+from modeltap.generate.keys import CACHE_MODULE, step_key
+from modeltap.generate.options import (
+    Decoding,
+    StepPlan,
+    check_can_generate,
+    check_prompt_length,
+)
 from modeltap.selection import Selection, select_modules
 
 if TYPE_CHECKING:
@@ -31,180 +26,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from modeltap.loading import Inputs
-
-STEP_PREFIX = "gen/step"
-_STEP_KEY = re.compile(r"^gen/step(\d+)/(.*)$", re.S)
-# The self-attention cache's new positions of one step, per layer: `gen/step{k}/cache:{i}.key`.
-CACHE_MODULE = "cache"
-
-
-def step_key(step: int, key: str) -> str:
-    return f"{STEP_PREFIX}{step}/{key}"
-
-
-def split_step(key: str) -> tuple[int, str] | None:
-    """(step, one-forward key) of a generation key, None for any other key."""
-    match = _STEP_KEY.match(key)
-    return (int(match[1]), match[2]) if match else None
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """Which steps keep their tensors (the others keep statistics): `ends` (the prefill and the
-    last step, known only when decoding stops), `all`, `none`, or the listed `steps`."""
-
-    mode: str = "ends"
-    steps: frozenset[int] = frozenset()
-
-    @classmethod
-    def parse(cls, spec: str) -> StepPlan:
-        """`0,5-9` -> steps 0 and 5 to 9."""
-        steps: set[int] = set()
-        for part in spec.split(","):
-            low, dash, high = part.strip().partition("-")
-            try:
-                first, last = int(low), int(high if dash else low)
-            except ValueError:
-                raise InputError(
-                    f"--steps '{spec}' is not a list of steps; e.g. --steps 0,5-9"
-                ) from None
-            if first < 0 or last < first:
-                raise InputError(f"--steps '{part.strip()}' is not a step or a rising range N-M")
-            steps.update(range(first, last + 1))
-        return cls("steps", frozenset(steps))
-
-    def full(self, step: int) -> bool | None:
-        """Whether `step` keeps its tensors; None when that depends on its being the last."""
-        if self.mode == "all":
-            return True
-        if self.mode == "none":
-            return False
-        if self.mode == "steps":
-            return step in self.steps
-        return True if step == 0 else None
-
-    def describe(self) -> str:
-        if self.mode != "steps":
-            return self.mode
-        return ",".join(str(s) for s in sorted(self.steps))
-
-
-@dataclass(frozen=True)
-class Decoding:
-    """How `generate` decodes: greedy by default; sampling with a seed; everything else (EOS, pad,
-    repetition penalty...) from the model's own generation config, as transformers uses it."""
-
-    max_new_tokens: int = 20
-    do_sample: bool = False
-    seed: int = 0
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-
-    def check(self) -> None:
-        if self.max_new_tokens < 1:
-            raise InputError(
-                f"--max-new-tokens is {self.max_new_tokens}; give 1 or more new tokens"
-            )
-        sampling = {"--temperature": self.temperature, "--top-k": self.top_k}
-        sampling["--top-p"] = self.top_p
-        given = [name for name, value in sampling.items() if value is not None]
-        if given and not self.do_sample:
-            raise InputError(f"{given[0]} shapes sampling; add --do-sample (greedy ignores it)")
-        if self.temperature is not None and self.temperature <= 0:
-            raise InputError(f"--temperature is {self.temperature}; give a value above 0")
-        if self.top_k is not None and self.top_k < 1:
-            raise InputError(f"--top-k is {self.top_k}; give 1 or more")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise InputError(f"--top-p is {self.top_p}; give a value in (0, 1]")
-
-    def generate_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {
-            "max_new_tokens": self.max_new_tokens,
-            "do_sample": self.do_sample,
-            # one sequence per prompt: a step's chosen token is then the token of its row
-            "num_beams": 1,
-        }
-        for name in ("temperature", "top_k", "top_p"):
-            if getattr(self, name) is not None:
-                kwargs[name] = getattr(self, name)
-        return kwargs
-
-
-def prompt_inputs(
-    model: nn.Module,
-    tokenizer: Any,
-    prompts: list[str],
-    *,
-    chat: bool = False,
-    max_length: int | None = None,
-) -> Inputs:
-    """The prompts as one batch for `generate`: padded on the left for a decoder-only model (new
-    tokens go on the right); with `chat`, each through the tokenizer's chat template as a user
-    message, ending with the template's prompt for the assistant's turn."""
-    from modeltap.loading import text_inputs
-
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise InputError(
-                "--chat: the tokenizer has no chat template; drop --chat, or pass --tokenizer "
-                "with one"
-            )
-        texts = [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-            )
-            for p in prompts
-        ]
-    else:
-        texts = list(prompts)
-    if not getattr(model.config, "is_encoder_decoder", False):
-        tokenizer.padding_side = "left"
-    if not chat:
-        return text_inputs(tokenizer, texts, max_length=max_length)
-    from modeltap.loading import Inputs
-
-    if getattr(tokenizer, "pad_token", None) is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    # the template already holds the special tokens (BOS...) the model expects
-    encoded = dict(
-        tokenizer(texts, return_tensors="pt", padding=len(texts) > 1, add_special_tokens=False)
-    )
-    description = {"texts": list(prompts), "chat": texts}
-    description["tensors"] = {k: list(v.shape) for k, v in encoded.items()}
-    return Inputs((), encoded, description)
-
-
-def check_can_generate(model: nn.Module) -> None:
-    """A model without a language-modelling head has no `generate` that decodes anything."""
-    can = getattr(model, "can_generate", None)
-    if not (callable(can) and can()):
-        raise InputError(
-            f"{type(model).__name__} has no language-modelling head and can't generate; load it "
-            "with --model-class AutoModelForCausalLM (or AutoModelForSeq2SeqLM for an "
-            "encoder-decoder)"
-        )
-
-
-def check_prompt_length(model: nn.Module, prompt_tokens: int, max_new_tokens: int) -> None:
-    """The prompt and the new tokens must fit the model's positions (past them a learned position
-    embedding fails with an index error deep inside the model)."""
-    config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        return
-    limit = getattr(config, "max_position_embeddings", None)
-    if not isinstance(limit, int):
-        return
-    if prompt_tokens >= limit:
-        raise InputError(
-            f"{type(model).__name__} has {limit} positions and the prompt takes {prompt_tokens} "
-            "tokens, leaving none to generate; shorten the prompt"
-        )
-    if prompt_tokens + max_new_tokens > limit:
-        raise InputError(
-            f"{type(model).__name__} has {limit} positions and the prompt takes {prompt_tokens} "
-            f"tokens: at most {limit - prompt_tokens} new ones fit; lower --max-new-tokens"
-        )
 
 
 class _StepSink:
@@ -558,103 +379,3 @@ def _decode_each(tokenizer: Any, ids: list[int]) -> list[str] | None:
     if tokenizer is None:
         return None
     return [tokenizer.decode([i]) for i in ids]
-
-
-# Reading a generation dump ------------------------------------------------------------------
-
-
-def generation_meta(dump: Dump) -> dict[str, Any] | None:
-    """The `generate` metadata of a generation dump, None for any other file."""
-    raw = dump.metadata.get("generate")
-    return json.loads(raw) if raw else None
-
-
-def steps_of(dump: Dump) -> list[int]:
-    """The steps that have keys, in order."""
-    seen = dict.fromkeys(
-        parsed[0] for parsed in map(split_step, dump.order or dump.stored) if parsed
-    )
-    return sorted(seen)
-
-
-class StepDump(Dump):
-    """One step of a generation dump as an ordinary one-forward `Dump`: its keys without the
-    `gen/step{k}/` prefix, its tensors read from the same memory-mapped file."""
-
-    prefix: str = ""
-
-    def _mapping(self) -> tuple[Any, int, dict[str, Any]] | None:
-        mapping = super()._mapping()
-        if mapping is None:
-            return None
-        buffer, start, entries = mapping
-        n = len(self.prefix)
-        return buffer, start, {k[n:]: v for k, v in entries.items() if k.startswith(self.prefix)}
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        target = self.resolve(key)
-        if target not in self.stored:
-            raise KeyError(key)
-        view = self._mapped(target)
-        if view is not None:
-            return view
-        if self._handle is None:
-            from safetensors import safe_open
-
-            self._handle = safe_open(str(self.path), framework="pt")
-        return self._handle.get_tensor(self.prefix + target)
-
-
-def step_view(dump: Dump | str | os.PathLike[str], step: int) -> StepDump:
-    """Step `step` of a generation dump, readable as a one-forward dump (show, diff, compare)."""
-    dump = dump if isinstance(dump, Dump) else load_dump(dump)
-    gen = generation_meta(dump)
-    if gen is None:
-        raise InputError(f"'{dump.path}' is not a generation dump (written by `modeltap generate`)")
-    steps = steps_of(dump)
-    if step not in steps:
-        raise InputError(
-            f"'{dump.path.name}' has steps 0 to {steps[-1] if steps else -1}; no step {step}"
-        )
-    prefix = step_key(step, "")
-
-    def strip(keys: Any) -> list[str]:
-        return [k[len(prefix) :] for k in keys if k.startswith(prefix)]
-
-    meta = dict(dump.metadata)
-    full = step in gen.get("full_steps", [])
-    meta["stats_only"] = "false" if full else "true"
-    meta["order"] = json.dumps(strip(dump.order or []))
-    meta["step"] = str(step)
-    view = StepDump(
-        dump.path,
-        meta,
-        strip(dump.stored),
-        aliases={
-            k[len(prefix) :]: v[len(prefix) :]
-            for k, v in dump.aliases.items()
-            if k.startswith(prefix)
-        },
-        order=strip(dump.order or []),
-        stats={k[len(prefix) :]: v for k, v in dump.stats.items() if k.startswith(prefix)},
-    )
-    view.prefix = prefix
-    return view
-
-
-__all__ = [
-    "CACHE_MODULE",
-    "Decoding",
-    "Generated",
-    "STEP_PREFIX",
-    "StepDump",
-    "StepPlan",
-    "check_can_generate",
-    "prompt_inputs",
-    "generate_model",
-    "generation_meta",
-    "split_step",
-    "step_key",
-    "step_view",
-    "steps_of",
-]
