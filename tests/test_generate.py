@@ -657,3 +657,21 @@ def test_prefill_logits_of_every_position_only_when_captured(tok, tmp_path: Path
         handle.remove()
     assert blocks_only == [1, 1]  # generate's own economy: the last position only
     assert seen == [_prompt_length(tok), 1]
+
+
+def test_cli_ctrl_c_mid_generation_leaves_nothing(gpt2_dir: Path, monkeypatch) -> None:  # noqa: ANN001
+    from modeltap.dump import DumpWriter
+
+    calls = []
+    original = DumpWriter.tensor
+
+    def interrupted(self, key, tensor, **kwargs) -> None:  # noqa: ANN001
+        calls.append(key)
+        if key.startswith("gen/step2/"):
+            raise KeyboardInterrupt
+        original(self, key, tensor, **kwargs)
+
+    monkeypatch.setattr(DumpWriter, "tensor", interrupted)
+    result = runner.invoke(app, ["generate", str(gpt2_dir), PROMPT, "-o", "g.safetensors"])
+    assert result.exit_code == 130 and "nothing was written" in result.output
+    assert list(Path().iterdir()) == []
