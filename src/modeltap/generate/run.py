@@ -141,7 +141,6 @@ def generate_model(
     )
     sink = _StepSink(writer, plan)
     kwargs = {**inputs.kwargs, **decoding.generate_kwargs()}
-    kwargs.update(return_dict_in_generate=True, output_logits=True)
     if _takes(model, "logits_to_keep") and _logits_captured(model, modules):
         # every position's logits in the prefill, as a one-forward dump has them (generate asks
         # for the last only); a decoding step has one position either way
@@ -152,7 +151,11 @@ def generate_model(
     with writer, torch.random.fork_rng(devices=[]):
         torch.manual_seed(decoding.seed)
         sink.begin(0)
-        with hooks(model, modules, sink) as rec, _steps(model, sink, rec, kv=kv, skipped=skipped):
+        choices = _Choices()
+        with (
+            hooks(model, modules, sink) as rec,
+            _steps(model, sink, rec, choices, kv=kv, skipped=skipped),
+        ):
             try:
                 with torch.no_grad():
                     output = model.generate(*inputs.args, **kwargs)
@@ -162,7 +165,11 @@ def generate_model(
                     "prompt and the decoding options (MODELTAP_DEBUG=1 shows the traceback)"
                 ) from exc
         sink.end()
-        done = _generated(model, inputs, output, tokenizer, decoding, forwards=sink.step + 1)
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        choices.chosen(sequences[:, -1])
+        done = _generated(
+            model, inputs, sequences, choices.steps, tokenizer, decoding, forwards=sink.step + 1
+        )
         skipped.update({step_key(sink.step, k): v for k, v in rec.skipped.items()})
         gen_meta = {
             "prompt": inputs.description.get("texts"),
@@ -202,9 +209,56 @@ def generate_model(
     return done
 
 
+class _Choices:
+    """Each step's chosen token, its probability and the runner-up, from the root's logits as each
+    step returns them. Only the latest step's distribution is held: the token it chose is known
+    when the next step starts (its new input) or, for the last, from the sequences at the end."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self._probs: torch.Tensor | None = None
+
+    def logits(self, output: Any) -> None:
+        import torch
+
+        logits = getattr(output, "logits", None)
+        if logits is None and isinstance(output, dict):
+            logits = output.get("logits")
+        if isinstance(logits, torch.Tensor):
+            self._probs = torch.softmax(logits[:, -1].float(), dim=-1)
+
+    def chosen(self, tokens: torch.Tensor | None) -> None:
+        import torch
+
+        probs, self._probs = self._probs, None
+        if probs is None or tokens is None:
+            return
+        tokens = tokens.to(probs.device)
+        top = torch.topk(probs, 2, dim=-1).indices
+        # the runner-up: the likeliest token other than the chosen one
+        second = torch.where(top[:, 0] == tokens, top[:, 1], top[:, 0])
+        p = probs.gather(1, tokens[:, None])[:, 0]
+        p_second = probs.gather(1, second[:, None])[:, 0]
+        self.steps.append(
+            {
+                "step": len(self.steps),
+                "token": tokens.tolist(),
+                "p": p.tolist(),
+                "second": second.tolist(),
+                "p_second": p_second.tolist(),
+            }
+        )
+
+
 @contextmanager
 def _steps(
-    model: nn.Module, sink: _StepSink, recorder: Any, *, kv: bool, skipped: dict[str, str]
+    model: nn.Module,
+    sink: _StepSink,
+    recorder: Any,
+    choices: _Choices,
+    *,
+    kv: bool,
+    skipped: dict[str, str],
 ) -> Iterator[None]:
     """Count the root's forwards as steps (a pre-hook that runs before any module's hook of the
     step); with `kv`, hand each step's new cache positions to the sink after its forward."""
@@ -212,6 +266,8 @@ def _steps(
 
     def before(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if calls[0]:
+            ids = kwargs.get("decoder_input_ids", kwargs.get("input_ids"))
+            choices.chosen(None if ids is None else ids[:, -1])
             skipped.update({step_key(sink.step, k): v for k, v in recorder.skipped.items()})
             recorder.skipped.clear()
             recorder.next_pass()
@@ -219,6 +275,9 @@ def _steps(
         calls[0] += 1
 
     def after(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        choices.logits(output)
+        if not kv:
+            return
         cache = None
         for name in ("cache", "past_key_values"):  # transformers 5 renamed the field
             if isinstance(output, dict) and output.get(name) is not None:
@@ -231,9 +290,10 @@ def _steps(
             sink.tensor(f"{CACHE_MODULE}:{layer}.key", key[..., -new:, :])
             sink.tensor(f"{CACHE_MODULE}:{layer}.value", value[..., -new:, :])
 
-    handles = [model.register_forward_pre_hook(before, with_kwargs=True, prepend=True)]
-    if kv:
-        handles.append(model.register_forward_hook(after, with_kwargs=True))
+    handles = [
+        model.register_forward_pre_hook(before, with_kwargs=True, prepend=True),
+        model.register_forward_hook(after, with_kwargs=True),
+    ]
     try:
         yield
     finally:
@@ -325,36 +385,26 @@ def _eos_ids(model: nn.Module) -> set[int]:
 def _generated(
     model: nn.Module,
     inputs: Inputs,
-    output: Any,
+    sequences: torch.Tensor,
+    choices: list[dict[str, Any]],
     tokenizer: Any,
     decoding: Decoding,
     *,
     forwards: int,
 ) -> Generated:
     """Ids, texts, each step's choice and probability, and the stopping reason."""
-    import torch
-
-    sequences = output.sequences.cpu()
+    sequences = sequences.cpu()
     encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
     prompt = inputs.kwargs.get("input_ids")
     start = 1 if encoder_decoder else (prompt.shape[1] if prompt is not None else 0)
     new = sequences[:, start:]
     steps = []
-    for step, logits in enumerate(output.logits):
-        probs = torch.softmax(logits.float().cpu(), dim=-1)
-        chosen = new[:, step]
-        top = torch.topk(probs, 2, dim=-1)
-        # the runner-up: the best token other than the chosen one
-        second = torch.where(top.indices[:, 0] == chosen, top.indices[:, 1], top.indices[:, 0])
+    for step in choices:
         steps.append(
             {
-                "step": step,
-                "token": chosen.tolist(),
-                "text": _decode_each(tokenizer, chosen.tolist()),
-                "p": probs.gather(1, chosen[:, None])[:, 0].tolist(),
-                "second": second.tolist(),
-                "second_text": _decode_each(tokenizer, second.tolist()),
-                "p_second": probs.gather(1, second[:, None])[:, 0].tolist(),
+                **step,
+                "text": _decode_each(tokenizer, step["token"]),
+                "second_text": _decode_each(tokenizer, step["second"]),
             }
         )
     eos = _eos_ids(model)
