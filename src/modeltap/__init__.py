@@ -59,6 +59,8 @@ _EXPORTS = {
     "TensorStats": "modeltap.stats",
     "ModeltapError": "modeltap.errors",
     "compare_models": "modeltap.compare",
+    "generate_model": "modeltap.generate",
+    "step_view": "modeltap.generate",
 }
 
 __all__ = [
@@ -73,11 +75,13 @@ __all__ = [
     "capture",
     "dump_model",
     "file_inputs",
+    "generate_model",
     "hooks",
     "load_dump",
     "load_model",
     "record",
     "select_modules",
+    "step_view",
     "tensor_stats",
     "text_inputs",
 ]
@@ -86,6 +90,7 @@ if TYPE_CHECKING:
     from modeltap.capture import Captured, hooks
     from modeltap.dump import Dump, DumpWriter, load_dump
     from modeltap.errors import ModeltapError
+    from modeltap.generate import generate_model, step_view
     from modeltap.loading import Inputs, file_inputs, load_model, text_inputs
     from modeltap.run import dump_model
     from modeltap.selection import Selection, select_modules

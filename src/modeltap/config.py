@@ -24,7 +24,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-COMMANDS = ("dump", "grads", "diff", "show", "ls", "compare", "export")
+COMMANDS = ("dump", "grads", "diff", "show", "ls", "compare", "export", "generate")
 PROJECT_FILE = "modeltap.toml"
 
 
@@ -94,6 +94,17 @@ class Settings:
     # performance (#12): MiB the dump writer's thread may hold copied but not yet written
     max_inflight_mb: int = 32
 
+    # generate (and compare --generate N): decoding, and which steps keep tensors
+    max_new_tokens: int = 20
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    chat: bool = False
+    full: bool = False
+    steps: str | None = None
+    kv: bool = False
+
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 # Scalar types of each field, for checking TOML values and parsing environment variables.
@@ -131,6 +142,14 @@ _TYPES: dict[str, type] = {
     "fullgraph": bool,
     "dynamic": bool,
     "max_inflight_mb": int,
+    "max_new_tokens": int,
+    "do_sample": bool,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "chat": bool,
+    "full": bool,
+    "kv": bool,
 }
 
 

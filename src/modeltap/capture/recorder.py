@@ -81,6 +81,12 @@ class Recorder:
             if value._version != versions:
                 self.changed.add(key)
 
+    def next_pass(self) -> None:
+        """Another forward of the same model follows (a decoding step of `generate`): its calls
+        are counted from the first again, and no tensor of it is an alias of the last pass's."""
+        self._calls.clear()
+        self._seen.clear()
+
     def record(self, module: str, value: Any, *, is_input: bool = False) -> None:
         import torch
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 # Importing a command module registers it; this order is the order of `modeltap --help`.
 # isort: off
-from modeltap.cli import dump, grads, show, ls, diff, compare, export, report, replay  # noqa: F401
+from modeltap.cli import dump, generate, grads, show, ls, diff, compare, export, report, replay  # noqa: F401
 
 # isort: on
 from modeltap.cli.app import app, handle_errors

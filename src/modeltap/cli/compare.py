@@ -17,6 +17,7 @@ from modeltap.cli.options import (
     ConfigOpt,
     DepthOpt,
     DeviceOpt,
+    DoSampleOpt,
     DTypeOpt,
     EqualNanOpt,
     ExcludeOpt,
@@ -160,6 +161,18 @@ def compare_command(
             rich_help_panel=RUNNING,
         ),
     ] = None,
+    generate: Annotated[
+        int | None,
+        typer.Option(
+            "--generate",
+            help="Compare N decoding steps of generate(), the candidate forced to the "
+            "reference's tokens; loads the model with its LM head unless --model-class says "
+            "otherwise (see `modeltap generate`).",
+            metavar="N",
+            rich_help_panel=RUNNING,
+        ),
+    ] = None,
+    do_sample: DoSampleOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """Compare a model with a variant (bf16, attn:eager, a checkpoint...): where they part ways,
@@ -189,6 +202,8 @@ def compare_command(
         seed=seed,
         train_mode=train_mode,
         use_cache=use_cache,
+        max_new_tokens=generate,
+        do_sample=do_sample,
     )
     _split_positionals(s, list(rest or []))
     variant = parse_against(s.against)
@@ -232,6 +247,18 @@ def compare_command(
 
         check_html_target(html)
     work = _out_dir(s.out_dir)
+    if generate is not None:
+        from modeltap.cli.generate import run_compare_generate
+
+        passed = run_compare_generate(
+            s, variant, options.tolerance, options.overrides, work, seed_given=seed is not None,
+            class_given=model_class is not None, json_out=json_out, show_all=show_all,
+            refused={
+                "--junit": junit, "--html": html, "--stats-only": s.stats_only,
+                "--use-cache": s.use_cache,
+            },
+        )  # fmt: skip
+        raise typer.Exit(0 if passed else 1)
 
     report = _run(s, variant, options, work)
     report.preset = preset_name

@@ -101,6 +101,16 @@ def diff_command(
 
         check_html_target(html)
     overrides = [(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()]
+    from modeltap.generation_diff import is_generation
+
+    if is_generation(a) or is_generation(b):
+        from modeltap.cli.generate import print_generation_diff
+
+        passed = print_generation_diff(
+            a, b, s, Tolerance(**values), overrides, json_out=json_out, show_all=show_all,
+            junit=junit, html=html,
+        )  # fmt: skip
+        raise typer.Exit(0 if passed else 1)
     report = diff_dumps(
         a,
         b,

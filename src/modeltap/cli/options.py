@@ -392,3 +392,52 @@ MaxInflightOpt = Annotated[
         rich_help_panel=OUTPUT,
     ),
 ]
+
+# generation: generate, and compare --generate N
+MaxNewTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="New tokens to generate at most (fewer when the model ends with EOS) [default: 20].",
+        metavar="N",
+        rich_help_panel=RUNNING,
+    ),
+]
+DoSampleOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--do-sample/--greedy",
+        help="Sample each token (seeded by --seed) instead of taking the likeliest [default: "
+        "greedy].",
+        rich_help_panel=RUNNING,
+    ),
+]
+TemperatureOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Sampling temperature (with --do-sample).", metavar="T", rich_help_panel=RUNNING
+    ),
+]
+TopKOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Sample among the K likeliest tokens (with --do-sample).",
+        metavar="K",
+        rich_help_panel=RUNNING,
+    ),
+]
+TopPOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Sample among the likeliest tokens holding probability P (with --do-sample).",
+        metavar="P",
+        rich_help_panel=RUNNING,
+    ),
+]
+ChatOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--chat/--no-chat",
+        help="Put each prompt through the tokenizer's chat template as a user message.",
+        rich_help_panel=INPUTS,
+    ),
+]

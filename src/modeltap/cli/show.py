@@ -27,7 +27,12 @@ def show(
         ),
     ],
     step: Annotated[
-        int | None, typer.Option(help="Run folder: show this recorded step's tree.", metavar="N")
+        int | None,
+        typer.Option(
+            help="Run folder: show this recorded step's tree; generation dump: this decoding "
+            "step's tree (0: the prompt's forward).",
+            metavar="N",
+        ),
     ] = None,
     rank: Annotated[int, typer.Option(help="Run folder: the rank to show.", metavar="R")] = 0,
     json_out: JsonOpt = False,
@@ -44,18 +49,48 @@ def show(
             if not json_out:
                 world = run.ranks[rank].start.get("world_size", "?")
                 stdout().print(f"{file.name}: step {step}, rank {rank} of {world}", style="bold")
+            opened = load_dump(file)
         else:
             print_run(run, rank=rank, json_out=json_out)
             return
-    elif step is not None or rank != 0:
-        raise InputError("--step and --rank are for a run folder; give the folder, not a file")
-    opened = load_dump(file)
+    else:
+        opened = load_dump(file)
+        if "generate" in opened.metadata and rank == 0:
+            print_generation(opened, step=step, json_out=json_out)
+            return
+        if step is not None or rank != 0:
+            raise InputError(
+                "--step is for a run folder or a generation dump, --rank for a run folder; "
+                "give the folder, not a file"
+            )
     if not opened.is_modeltap:
         stderr().print("no modeltap metadata: computing statistics from the tensors")
         from modeltap.stats import tensor_stats
 
         opened.stats = {k: tensor_stats(opened[k]) for k in opened.stored}
     print_opened(opened, json_out=json_out)
+
+
+def print_generation(opened: Any, *, step: int | None, json_out: bool) -> None:
+    """A generation dump: the prompt, the text and each step's token; with `step`, its tree."""
+    from modeltap.generate import generation_meta, step_view
+
+    if step is not None:
+        view = step_view(opened, step)
+        if not json_out:
+            stdout().print(f"{opened.path.name}: decoding step {step}", style="bold")
+        print_opened(view, json_out=json_out)
+        return
+    from modeltap.render.generation import generation_heading, generation_json, generation_table
+
+    gen = generation_meta(opened)
+    if json_out:
+        print(json.dumps(generation_json(opened, gen), indent=1))
+        return
+    console = stdout()
+    console.print(generation_heading(opened, gen))
+    console.print(generation_table(gen))
+    console.print("`modeltap show FILE --step K` shows step K's tree", style="dim")
 
 
 def print_run(run: Any, *, rank: int, json_out: bool) -> None:

@@ -30,7 +30,7 @@ GRAD_PREFIX = "grad/"
 METADATA_KEYS = {
     "format": "always 'modeltap'",
     "format_version": "integer, bumped on incompatible changes",
-    "kind": "'activations', 'gradients' or both joined by '+'",
+    "kind": "'activations', 'gradients' or both joined by '+'; 'generation'",
     "modeltap_version": "version that wrote the file",
     "model": "model id or path as given",
     "revision": "resolved commit hash of a Hub model, when known",
@@ -66,6 +66,9 @@ METADATA_KEYS = {
     "backend": "how the model ran: eager, compile, export, torchscript or fx",
     "backend_details": "JSON: the backend's details (compile: backend, graphs, graph_breaks...)",
     "unmapped": "JSON list: selected modules that produced no value (never called, or unmappable)",
+    # Written by modeltap generate (kind 'generation'; keys gen/step{k}/...):
+    "generate": "JSON: prompt, prompt_ids, new_ids, text, steps (token, p, runner-up), stop, "
+    "forwards, full_steps, plan, kv, decoding, generation_config",
 }
 
 _DTYPES = {

@@ -1,0 +1,215 @@
+"""`compare --generate N`: a generation and its variant, step by step, with the reference's tokens
+forced on the candidate (teacher forcing), so that every step stays comparable after the texts part.
+
+1. The reference generates (every step's tensors kept in the work folder).
+2. The candidate generates with each step forced to choose the reference's token: its forwards
+   read the very same tokens, and its own probabilities say which token it would have chosen.
+3. The two generation dumps are compared step by step (`generation_diff`).
+4. At the first step where the candidate's likeliest token is another than the reference's (else
+   the first step out of tolerance), the existing replay attribution runs once, on the prompt and
+   the reference's tokens up to that step in one forward: the module that introduced the error.
+5. The candidate also generates freely, for the user to read its own text.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from modeltap.errors import InputError
+from modeltap.generate import Decoding, Generated, StepPlan, generate_model
+from modeltap.selection import Selection
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from modeltap.compare.replay import Options
+    from modeltap.compare.report import CompareReport
+    from modeltap.generation_diff import GenerationDiff
+    from modeltap.loading import Inputs
+
+REFERENCE_FILE = "reference.gen.safetensors"
+CANDIDATE_FILE = "candidate.gen.safetensors"
+
+
+@dataclass
+class Departure:
+    """The first step where the candidate's likeliest token is not the reference's."""
+
+    step: int
+    row: int
+    reference: int
+    candidate: int
+    reference_text: str | None
+    candidate_text: str | None
+    p_reference: float  # the reference's probability of its token
+    p_candidate: float  # the candidate's probability of its own likeliest token
+    margin: float  # the candidate's p(its token) - p(the reference's token)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+@dataclass
+class GenerationComparison:
+    reference: Generated
+    forced: Generated
+    free: Generated
+    steps: GenerationDiff
+    departure: Departure | None
+    attribution: CompareReport | None = None
+    attributed_step: int | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        first = self.steps.first_divergence
+        return self.departure is None and first is None
+
+    def to_json(self) -> dict[str, Any]:
+        origins = self.attribution.origins if self.attribution is not None else []
+        return {
+            "schema": "modeltap.compare-generate/1",
+            "passed": self.passed,
+            **self.meta,
+            "reference_text": self.reference.texts,
+            "candidate_text": self.free.texts,
+            "reference_ids": self.reference.new_ids,
+            "candidate_ids": self.free.new_ids,
+            "departure": None if self.departure is None else self.departure.to_json(),
+            "attributed_step": self.attributed_step,
+            "origins": [{"module": m.name, "local_error": m.local_error} for m in origins],
+            "steps": self.steps.to_json(),
+            "attribution": None if self.attribution is None else self.attribution.to_json(),
+        }
+
+
+def _top(step: dict[str, Any], row: int) -> tuple[int, float, str | None]:
+    """(token, p, text) of the likeliest token of a step, from its chosen token and runner-up."""
+    texts, seconds = step.get("text") or [], step.get("second_text") or []
+    if step["p"][row] >= step["p_second"][row]:
+        return step["token"][row], step["p"][row], texts[row] if texts else None
+    return step["second"][row], step["p_second"][row], seconds[row] if seconds else None
+
+
+def departure(reference: Generated, forced: Generated) -> Departure | None:
+    """Where the teacher-forced candidate's likeliest token first differs from the reference's."""
+    for ref, cand in zip(reference.steps, forced.steps, strict=False):
+        for row in range(len(ref["token"])):
+            ref_top, p_ref, ref_text = _top(ref, row)
+            cand_top, p_cand, cand_text = _top(cand, row)
+            if ref_top != cand_top:
+                # the candidate's probability of the reference's token: its forced choice
+                p_forced = cand["p"][row] if cand["token"][row] == ref_top else 0.0
+                return Departure(
+                    ref["step"], row, ref_top, cand_top, ref_text, cand_text, p_ref, p_cand,
+                    p_cand - p_forced,
+                )  # fmt: skip
+    return None
+
+
+def compare_generation(
+    reference: nn.Module,
+    candidate: nn.Module,
+    inputs: Inputs,
+    work_dir: str | os.PathLike[str],
+    *,
+    decoding: Decoding,
+    selection: Selection | None = None,
+    options: Options | None = None,
+    tokenizer: Any = None,
+    cand_inputs: Inputs | None = None,
+    metadata: tuple[dict[str, str], dict[str, str]] = ({}, {}),
+) -> GenerationComparison:
+    """Generate with `reference`, then with `candidate` forced to the reference's tokens; compare
+    them step by step and attribute the first departure (see the module docstring)."""
+    from modeltap.compare.replay import Options, compare_models
+    from modeltap.compare.variants import compute_dtype, model_device
+    from modeltap.generation_diff import diff_generations
+    from modeltap.selection import select_modules
+
+    options = options or Options()
+    work = Path(work_dir)
+    selection = selection or Selection()
+    modules = select_modules(reference, selection)
+    if cand_inputs is None:
+        cand_inputs = inputs.to(str(model_device(candidate)), compute_dtype(candidate))
+    common = {"tokenizer": tokenizer, "decoding": decoding, "plan": StepPlan("all")}
+    ref = generate_model(
+        reference, inputs, work / REFERENCE_FILE, selection=selection, metadata=metadata[0],
+        **common,
+    )  # fmt: skip
+    forced = generate_model(
+        candidate, cand_inputs, work / CANDIDATE_FILE, selection=selection,
+        forced=ref.new_ids, metadata=metadata[1], **common,
+    )  # fmt: skip
+    free_path = work / ".candidate.free.safetensors"
+    try:
+        free = generate_model(
+            candidate, cand_inputs, free_path, selection=Selection(depth=0),
+            plan=StepPlan("none"), tokenizer=tokenizer, decoding=decoding,
+        )  # fmt: skip
+    finally:
+        free_path.unlink(missing_ok=True)
+    steps = diff_generations(
+        work / CANDIDATE_FILE,
+        work / REFERENCE_FILE,
+        tolerance=options.tolerance,
+        overrides=options.overrides,
+        equal_nan=options.equal_nan,
+        upcast=True,  # a bfloat16 candidate against a float32 reference, as compare does
+    )
+    leaving = departure(ref, forced)
+    result = GenerationComparison(ref, forced, free, steps, leaving)
+    first = steps.first_divergence
+    at = leaving.step if leaving is not None else (first.step if first is not None else None)
+    if at is not None:
+        forward = _forced_forward(reference, inputs, ref.new_ids, at)
+        replay_dir = work / f".replay-step{at}"
+        replay_dir.mkdir(exist_ok=True)
+        try:
+            result.attribution = compare_models(
+                reference,
+                candidate,
+                forward,
+                modules,
+                replay_dir,
+                options=options,
+            )
+        finally:
+            for leftover in replay_dir.iterdir():
+                leftover.unlink()
+            replay_dir.rmdir()
+        result.attributed_step = at
+    return result
+
+
+def _forced_forward(model: nn.Module, inputs: Inputs, new_ids: list[list[int]], step: int) -> Any:
+    """One forward, without a cache, over the prompt and the first `step` forced tokens: what
+    step `step` computes at its last position (an encoder-decoder: the decoder's inputs)."""
+    import torch
+
+    from modeltap.loading import Inputs
+
+    kwargs = dict(inputs.kwargs)
+    ids = kwargs.get("input_ids")
+    if ids is None:
+        raise InputError("compare --generate needs token ids (a TEXT prompt)")
+    forced = torch.tensor([row[:step] for row in new_ids], dtype=ids.dtype, device=ids.device)
+    if getattr(model.config, "is_encoder_decoder", False):
+        start = model.generation_config.decoder_start_token_id
+        if start is None:
+            start = model.config.decoder_start_token_id
+        first = torch.full((ids.shape[0], 1), int(start), dtype=ids.dtype, device=ids.device)
+        kwargs["decoder_input_ids"] = torch.cat([first, forced], dim=1)
+    else:
+        kwargs["input_ids"] = torch.cat([ids, forced], dim=1)
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            ones = torch.ones(mask.shape[0], step, dtype=mask.dtype, device=mask.device)
+            kwargs["attention_mask"] = torch.cat([mask, ones], dim=1)
+    kwargs["use_cache"] = False
+    description = {**inputs.description, "forced_tokens": step}
+    return Inputs(inputs.args, kwargs, description)

@@ -1,0 +1,173 @@
+"""What to decode and what to keep: `Decoding`, `StepPlan`, the prompt, and the checks made
+before a model runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from modeltap.errors import InputError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from modeltap.loading import Inputs
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Which steps keep their tensors (the others keep statistics): `ends` (the prefill and the
+    last step, known only when decoding stops), `all`, `none`, or the listed `steps`."""
+
+    mode: str = "ends"
+    steps: frozenset[int] = frozenset()
+
+    @classmethod
+    def parse(cls, spec: str) -> StepPlan:
+        """`0,5-9` -> steps 0 and 5 to 9."""
+        steps: set[int] = set()
+        for part in spec.split(","):
+            low, dash, high = part.strip().partition("-")
+            try:
+                first, last = int(low), int(high if dash else low)
+            except ValueError:
+                raise InputError(
+                    f"--steps '{spec}' is not a list of steps; e.g. --steps 0,5-9"
+                ) from None
+            if first < 0 or last < first:
+                raise InputError(f"--steps '{part.strip()}' is not a step or a rising range N-M")
+            steps.update(range(first, last + 1))
+        return cls("steps", frozenset(steps))
+
+    def full(self, step: int) -> bool | None:
+        """Whether `step` keeps its tensors; None when that depends on its being the last."""
+        if self.mode == "all":
+            return True
+        if self.mode == "none":
+            return False
+        if self.mode == "steps":
+            return step in self.steps
+        return True if step == 0 else None
+
+    def describe(self) -> str:
+        if self.mode != "steps":
+            return self.mode
+        return ",".join(str(s) for s in sorted(self.steps))
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How `generate` decodes: greedy by default; sampling with a seed; everything else (EOS, pad,
+    repetition penalty...) from the model's own generation config, as transformers uses it."""
+
+    max_new_tokens: int = 20
+    do_sample: bool = False
+    seed: int = 0
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def check(self) -> None:
+        if self.max_new_tokens < 1:
+            raise InputError(
+                f"--max-new-tokens is {self.max_new_tokens}; give 1 or more new tokens"
+            )
+        sampling = {"--temperature": self.temperature, "--top-k": self.top_k}
+        sampling["--top-p"] = self.top_p
+        given = [name for name, value in sampling.items() if value is not None]
+        if given and not self.do_sample:
+            raise InputError(f"{given[0]} shapes sampling; add --do-sample (greedy ignores it)")
+        if self.temperature is not None and self.temperature <= 0:
+            raise InputError(f"--temperature is {self.temperature}; give a value above 0")
+        if self.top_k is not None and self.top_k < 1:
+            raise InputError(f"--top-k is {self.top_k}; give 1 or more")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise InputError(f"--top-p is {self.top_p}; give a value in (0, 1]")
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "do_sample": self.do_sample,
+            # one sequence per prompt: a step's chosen token is then the token of its row
+            "num_beams": 1,
+        }
+        for name in ("temperature", "top_k", "top_p"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        return kwargs
+
+
+def prompt_inputs(
+    model: nn.Module,
+    tokenizer: Any,
+    prompts: list[str],
+    *,
+    chat: bool = False,
+    max_length: int | None = None,
+) -> Inputs:
+    """The prompts as one batch for `generate`: padded on the left for a decoder-only model (new
+    tokens go on the right); with `chat`, each through the tokenizer's chat template as a user
+    message, ending with the template's prompt for the assistant's turn."""
+    from modeltap.loading import text_inputs
+
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise InputError(
+                "--chat: the tokenizer has no chat template; drop --chat, or pass --tokenizer "
+                "with one"
+            )
+        texts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
+            for p in prompts
+        ]
+    else:
+        texts = list(prompts)
+    if not getattr(model.config, "is_encoder_decoder", False):
+        tokenizer.padding_side = "left"
+    if not chat:
+        return text_inputs(tokenizer, texts, max_length=max_length)
+    from modeltap.loading import Inputs
+
+    if getattr(tokenizer, "pad_token", None) is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # the template already holds the special tokens (BOS...) the model expects
+    encoded = dict(
+        tokenizer(texts, return_tensors="pt", padding=len(texts) > 1, add_special_tokens=False)
+    )
+    description = {"texts": list(prompts), "chat": texts}
+    description["tensors"] = {k: list(v.shape) for k, v in encoded.items()}
+    return Inputs((), encoded, description)
+
+
+def check_can_generate(model: nn.Module) -> None:
+    """A model without a language-modelling head has no `generate` that decodes anything."""
+    can = getattr(model, "can_generate", None)
+    if not (callable(can) and can()):
+        raise InputError(
+            f"{type(model).__name__} has no language-modelling head and can't generate; load it "
+            "with --model-class AutoModelForCausalLM (or AutoModelForSeq2SeqLM for an "
+            "encoder-decoder)"
+        )
+
+
+def check_prompt_length(model: nn.Module, prompt_tokens: int, max_new_tokens: int) -> None:
+    """The prompt and the new tokens must fit the model's positions (past them a learned position
+    embedding fails with an index error deep inside the model)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        return
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return
+    if prompt_tokens >= limit:
+        raise InputError(
+            f"{type(model).__name__} has {limit} positions and the prompt takes {prompt_tokens} "
+            "tokens, leaving none to generate; shorten the prompt"
+        )
+    if prompt_tokens + max_new_tokens > limit:
+        raise InputError(
+            f"{type(model).__name__} has {limit} positions and the prompt takes {prompt_tokens} "
+            f"tokens: at most {limit - prompt_tokens} new ones fit; lower --max-new-tokens"
+        )

@@ -1,0 +1,431 @@
+"""`generate_model`: `model.generate()` with every step's forward hooked, streamed to one file."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from modeltap.dump import DEFAULT_MAX_INFLIGHT, DumpWriter
+from modeltap.errors import RunError, first_line
+from modeltap.generate.keys import CACHE_MODULE, step_key
+from modeltap.generate.options import (
+    Decoding,
+    StepPlan,
+    check_can_generate,
+    check_prompt_length,
+)
+from modeltap.selection import Selection, select_modules
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from modeltap.loading import Inputs
+
+
+class _StepSink:
+    """The writer, with each key put under its step; a step whose tensors depend on its being the
+    last is held (copies of its one-token outputs) until the next step starts or decoding ends."""
+
+    def __init__(self, writer: DumpWriter, plan: StepPlan) -> None:
+        self.writer = writer
+        self.plan = plan
+        self.step = -1
+        self.order: list[str] = []
+        self.full_steps: list[int] = []
+        self.devices: dict[str, str] = {}
+        self._held: list[tuple[str, Any]] | None = None
+
+    def begin(self, step: int) -> None:
+        self._release(full=False)
+        self.step = step
+        full = self.plan.full(step)
+        if full is None:
+            self._held = []
+            return
+        self.writer.stats_only = not full
+        if full:
+            self.full_steps.append(step)
+
+    def end(self) -> None:
+        self._release(full=True)
+
+    def _release(self, *, full: bool) -> None:
+        held, self._held = self._held, None
+        if held is None:
+            return
+        self.writer.stats_only = not full
+        if full:
+            self.full_steps.append(self.step)
+        for key, tensor in held:
+            self.writer.tensor(key, tensor)
+
+    def tensor(self, key: str, tensor: torch.Tensor) -> None:
+        key = step_key(self.step, key)
+        self.order.append(key)
+        self.devices[key] = str(tensor.device)
+        if self._held is not None:
+            self._held.append((key, tensor.detach().clone()))
+        else:
+            self.writer.tensor(key, tensor)
+
+    def alias(self, key: str, target: str) -> None:
+        key = step_key(self.step, key)
+        self.order.append(key)
+        self.writer.alias(key, step_key(self.step, target))
+
+
+@dataclass
+class Generated:
+    """What a generation produced besides the file: the ids, texts and per-step choices."""
+
+    prompt_ids: list[list[int]]
+    new_ids: list[list[int]]
+    texts: list[str]
+    steps: list[dict[str, Any]]
+    stop: str
+    forwards: int
+    path: Path | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def generate_model(
+    model: nn.Module,
+    inputs: Inputs,
+    out: str | os.PathLike[str],
+    *,
+    tokenizer: Any = None,
+    decoding: Decoding | None = None,
+    plan: StepPlan | None = None,
+    selection: Selection | None = None,
+    kv: bool = False,
+    forced: list[list[int]] | None = None,
+    dead_threshold: float = 0.0,
+    metadata: dict[str, str] | None = None,
+    max_inflight: int = DEFAULT_MAX_INFLIGHT,
+) -> Generated:
+    """Run `model.generate` on `inputs` with the selected modules hooked and stream every step's
+    outputs to `out` (keys `gen/step{k}/...`). The file appears only if decoding finished.
+
+    `plan`: which steps keep tensors (default: the prefill and the last; the rest statistics).
+    `kv`: also store each step's new self-attention K/V positions (`gen/step{k}/cache:{i}.key`).
+    `forced`: new token ids (per row) that each step must choose (teacher forcing: another
+    model's generation); the steps' probabilities stay this model's own.
+    """
+    import torch
+
+    from modeltap.capture import hooks
+    from modeltap.run import _RESERVE_PER_MODULE, environment
+
+    decoding = decoding or Decoding()
+    decoding.check()
+    plan = plan or StepPlan()
+    selection = selection or Selection()
+    check_can_generate(model)
+    modules = select_modules(model, selection)
+    ids = inputs.kwargs.get("input_ids")
+    if ids is not None:
+        check_prompt_length(model, ids.shape[1], decoding.max_new_tokens)
+    reserve = 4096 + _RESERVE_PER_MODULE * len(modules) * (decoding.max_new_tokens + 1)
+    writer = DumpWriter(
+        out,
+        stats_only=plan.mode == "none",
+        dead_threshold=dead_threshold,
+        reserve=min(reserve, 64 << 20),
+        max_inflight=max_inflight,
+    )
+    sink = _StepSink(writer, plan)
+    kwargs = {**inputs.kwargs, **decoding.generate_kwargs()}
+    if _takes(model, "logits_to_keep") and _logits_captured(model, modules):
+        # every position's logits in the prefill, as a one-forward dump has them (generate asks
+        # for the last only); a decoding step has one position either way
+        kwargs["logits_to_keep"] = 0
+    if forced is not None:
+        kwargs["logits_processor"] = _forcing(forced)
+    skipped: dict[str, str] = {}
+    with writer, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(decoding.seed)
+        sink.begin(0)
+        choices = _Choices()
+        with (
+            hooks(model, modules, sink) as rec,
+            _steps(model, sink, rec, choices, kv=kv, skipped=skipped),
+        ):
+            try:
+                with torch.no_grad():
+                    output = model.generate(*inputs.args, **kwargs)
+            except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+                raise RunError(
+                    f"{type(model).__name__}.generate failed: {first_line(exc)}; check the "
+                    "prompt and the decoding options (MODELTAP_DEBUG=1 shows the traceback)"
+                ) from exc
+        sink.end()
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        choices.chosen(sequences[:, -1])
+        done = _generated(
+            model, inputs, sequences, choices.steps, tokenizer, decoding, forwards=sink.step + 1
+        )
+        skipped.update({step_key(sink.step, k): v for k, v in rec.skipped.items()})
+        gen_meta = {
+            "prompt": inputs.description.get("texts"),
+            "prompt_ids": done.prompt_ids,
+            "new_ids": done.new_ids,
+            "text": done.texts,
+            "steps": done.steps,
+            "stop": done.stop,
+            "forwards": done.forwards,
+            "full_steps": sink.full_steps,
+            "plan": plan.describe(),
+            "kv": kv,
+            "forced": forced is not None,
+            "decoding": {**decoding.generate_kwargs(), "seed": decoding.seed},
+            "generation_config": _generation_config(model),
+        }
+        if plan.mode != "none":
+            writer.stats_only = False
+        meta: dict[str, Any] = {
+            "kind": "generation",
+            **environment(),
+            "model_class": type(model).__name__,
+            "seed": str(decoding.seed),
+            "train_mode": "false",
+            "backend": "eager",
+            **(metadata or {}),
+            "inputs": json.dumps(inputs.description),
+            "selection": json.dumps({**selection.as_dict(), "inputs": False}),
+            "order": json.dumps(sink.order),
+            "skipped": json.dumps(skipped),
+            "skipped_none": str(rec.skipped_none),
+            "devices": json.dumps(sink.devices),
+            "generate": json.dumps(gen_meta),
+        }
+        done.path = writer.finish(meta)
+        done.meta = gen_meta
+    return done
+
+
+class _Choices:
+    """Each step's chosen token, its probability and the runner-up, from the root's logits as each
+    step returns them. Only the latest step's distribution is held: the token it chose is known
+    when the next step starts (its new input) or, for the last, from the sequences at the end."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self._probs: torch.Tensor | None = None
+
+    def logits(self, output: Any) -> None:
+        import torch
+
+        logits = getattr(output, "logits", None)
+        if logits is None and isinstance(output, dict):
+            logits = output.get("logits")
+        if isinstance(logits, torch.Tensor):
+            self._probs = torch.softmax(logits[:, -1].float(), dim=-1)
+
+    def chosen(self, tokens: torch.Tensor | None) -> None:
+        import torch
+
+        probs, self._probs = self._probs, None
+        if probs is None or tokens is None:
+            return
+        tokens = tokens.to(probs.device)
+        top = torch.topk(probs, 2, dim=-1).indices
+        # the runner-up: the likeliest token other than the chosen one
+        second = torch.where(top[:, 0] == tokens, top[:, 1], top[:, 0])
+        p = probs.gather(1, tokens[:, None])[:, 0]
+        p_second = probs.gather(1, second[:, None])[:, 0]
+        self.steps.append(
+            {
+                "step": len(self.steps),
+                "token": tokens.tolist(),
+                "p": p.tolist(),
+                "second": second.tolist(),
+                "p_second": p_second.tolist(),
+            }
+        )
+
+
+@contextmanager
+def _steps(
+    model: nn.Module,
+    sink: _StepSink,
+    recorder: Any,
+    choices: _Choices,
+    *,
+    kv: bool,
+    skipped: dict[str, str],
+) -> Iterator[None]:
+    """Count the root's forwards as steps (a pre-hook that runs before any module's hook of the
+    step); with `kv`, hand each step's new cache positions to the sink after its forward."""
+    calls = [0]
+
+    def before(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if calls[0]:
+            ids = kwargs.get("decoder_input_ids", kwargs.get("input_ids"))
+            choices.chosen(None if ids is None else ids[:, -1])
+            skipped.update({step_key(sink.step, k): v for k, v in recorder.skipped.items()})
+            recorder.skipped.clear()
+            recorder.next_pass()
+            sink.begin(sink.step + 1)
+        calls[0] += 1
+
+    def after(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        choices.logits(output)
+        if not kv:
+            return
+        cache = None
+        for name in ("cache", "past_key_values"):  # transformers 5 renamed the field
+            if isinstance(output, dict) and output.get(name) is not None:
+                cache = output[name]
+                break
+        new = _step_length(args, kwargs)
+        if cache is None or not new:
+            return
+        for layer, (key, value) in enumerate(_self_attention(cache)):
+            sink.tensor(f"{CACHE_MODULE}:{layer}.key", key[..., -new:, :])
+            sink.tensor(f"{CACHE_MODULE}:{layer}.value", value[..., -new:, :])
+
+    handles = [
+        model.register_forward_pre_hook(before, with_kwargs=True, prepend=True),
+        model.register_forward_hook(after, with_kwargs=True),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _forcing(forced: list[list[int]]) -> Any:
+    """A logits processor that leaves each row one choice at each step: its forced token."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Forced(LogitsProcessor):
+        def __init__(self) -> None:
+            self.start: int | None = None
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if self.start is None:
+                self.start = input_ids.shape[1]
+            step = input_ids.shape[1] - self.start
+            out = scores.clone()
+            for row, tokens in enumerate(forced):
+                if step < len(tokens):
+                    out[row] = float("-inf")
+                    out[row, tokens[step]] = 0.0
+            return out
+
+    return LogitsProcessorList([Forced()])
+
+
+def _step_length(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Positions this forward adds to the (decoder's) cache."""
+    for name in ("decoder_input_ids", "input_ids", "decoder_inputs_embeds", "inputs_embeds"):
+        value = kwargs.get(name)
+        if value is not None:
+            return int(value.shape[1])
+    return int(args[0].shape[1]) if args and hasattr(args[0], "shape") else 0
+
+
+def _self_attention(cache: Any) -> list[tuple[Any, Any]]:
+    """(key, value) per layer of a transformers Cache (an encoder-decoder's self-attention part)."""
+    cache = getattr(cache, "self_attention_cache", cache)
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [
+            (layer.keys, layer.values)
+            for layer in layers
+            if getattr(layer, "keys", None) is not None
+        ]
+    return [(k, v) for k, v, *_ in cache]
+
+
+def _logits_captured(model: nn.Module, modules: list[str]) -> bool:
+    """Whether the root or the LM head is selected: only then are the prefill's logits computed
+    for every position (with a long prompt and a large vocabulary they are the largest tensor)."""
+    from modeltap.selection import ROOT, display_name
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {display_name(n) for n, m in model.named_modules() if m is head}
+    return ROOT in modules or bool(names & set(modules))
+
+
+def _takes(model: nn.Module, name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _generation_config(model: nn.Module) -> dict[str, Any]:
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return {}
+    try:
+        return config.to_diff_dict()
+    except (AttributeError, TypeError, ValueError):
+        return {}
+
+
+def _eos_ids(model: nn.Module) -> set[int]:
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def _generated(
+    model: nn.Module,
+    inputs: Inputs,
+    sequences: torch.Tensor,
+    choices: list[dict[str, Any]],
+    tokenizer: Any,
+    decoding: Decoding,
+    *,
+    forwards: int,
+) -> Generated:
+    """Ids, texts, each step's choice and probability, and the stopping reason."""
+    sequences = sequences.cpu()
+    encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
+    prompt = inputs.kwargs.get("input_ids")
+    start = 1 if encoder_decoder else (prompt.shape[1] if prompt is not None else 0)
+    new = sequences[:, start:]
+    steps = []
+    for step in choices:
+        steps.append(
+            {
+                **step,
+                "text": _decode_each(tokenizer, step["token"]),
+                "second_text": _decode_each(tokenizer, step["second"]),
+            }
+        )
+    eos = _eos_ids(model)
+    n = new.shape[1]
+    ended = bool(eos) and all(any(t in eos for t in row) for row in new.tolist())
+    if ended and (n < decoding.max_new_tokens or all(row[-1] in eos for row in new.tolist())):
+        stop = "eos"
+    elif n >= decoding.max_new_tokens:
+        stop = "max_new_tokens"
+    else:
+        stop = "stopping_criteria"
+    texts = (
+        [tokenizer.decode(row, skip_special_tokens=True) for row in new.tolist()]
+        if tokenizer is not None
+        else []
+    )
+    prompt_ids = prompt.cpu().tolist() if prompt is not None else []
+    return Generated(prompt_ids, new.tolist(), texts, steps, stop, forwards)
+
+
+def _decode_each(tokenizer: Any, ids: list[int]) -> list[str] | None:
+    if tokenizer is None:
+        return None
+    return [tokenizer.decode([i]) for i in ids]

@@ -1,0 +1,677 @@
+"""modeltap.generate and `modeltap generate`: each decoding step against an independent run.
+
+The references are plain transformers code: `model.generate` for the tokens, and forwards with the
+model's KV cache and this file's own hooks for every step's values.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from modeltap.cli import app
+from modeltap.dump import load_dump
+from modeltap.generate import (
+    Decoding,
+    StepPlan,
+    generate_model,
+    generation_meta,
+    split_step,
+    step_key,
+    step_view,
+    steps_of,
+)
+from modeltap.loading import text_inputs
+from tests.fixtures.hf import gpt2_tokenizer
+
+PROMPT = "hello world the quick"
+
+
+def tiny_gpt2():  # noqa: ANN201
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=512, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config).eval()
+
+
+def tiny_llama():  # noqa: ANN201
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_decoder(name: str):  # noqa: ANN201
+    """A tiny Mistral or Gemma (the Llama family's variations: sliding window, GeGLU, scaled
+    embeddings)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return getattr(transformers, f"{name}ForCausalLM")(config).eval()
+
+
+def tiny_mixtral():  # noqa: ANN201
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0,
+    )  # fmt: skip
+    return MixtralForCausalLM(config).eval()
+
+
+def tiny_t5():  # noqa: ANN201
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=512, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return T5ForConditionalGeneration(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tok():  # noqa: ANN201
+    return gpt2_tokenizer()
+
+
+def _prompt(tok) -> object:  # noqa: ANN001
+    return text_inputs(tok, [PROMPT])
+
+
+def _plain_outputs(model, run) -> dict[str, object]:  # noqa: ANN001
+    """Every module's output of one forward, by this test's own hooks (first call of each)."""
+    outputs: dict[str, object] = {}
+
+    def keep(name: str, out: object) -> None:
+        # copied as returned: the model may change a module's output in place afterwards
+        if name not in outputs:
+            outputs[name] = out.clone() if isinstance(out, torch.Tensor) else out
+            if name == "__root__":
+                outputs[name] = out.logits.clone()
+
+    handles = [
+        module.register_forward_hook(
+            lambda mod, args, out, name=name: keep(name or "__root__", out)
+        )
+        for name, module in model.named_modules()
+    ]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs
+
+
+def _assert_step_matches(view, outputs: dict[str, object]) -> int:  # noqa: ANN001
+    """Each module whose plain output is one tensor, and the root's logits, equal the step's."""
+    checked = 0
+    for name, out in outputs.items():
+        if name == "__root__":
+            key = "__root__:logits"
+        elif isinstance(out, torch.Tensor):
+            key = name
+        else:
+            continue
+        assert key in view.keys(), key
+        torch.testing.assert_close(view[key], out, rtol=1e-5, atol=1e-6, msg=key)
+        checked += 1
+    return checked
+
+
+def _reference_steps(model, inputs, new_ids: list[int]) -> list[dict[str, object]]:  # noqa: ANN001
+    """Plain forwards over the prompt, then over each new token with the cache: what generate
+    runs, written here without modeltap or generate."""
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    steps = []
+    ids = inputs.kwargs["input_ids"]
+    if model.config.is_encoder_decoder:
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        encoded: list[object] = []
+        start = model.config.decoder_start_token_id
+        tokens = [start, *new_ids]
+
+        def first() -> None:
+            encoded.append(model.get_encoder()(input_ids=ids))
+            model(
+                encoder_outputs=encoded[0],
+                decoder_input_ids=torch.tensor([[start]]),
+                past_key_values=cache,
+                use_cache=True,
+            )
+
+        steps.append(_plain_outputs(model, first))
+        for k in range(1, len(new_ids)):
+            steps.append(
+                _plain_outputs(
+                    model,
+                    lambda k=k: model(
+                        encoder_outputs=encoded[0],
+                        decoder_input_ids=torch.tensor([[tokens[k]]]),
+                        past_key_values=cache,
+                        use_cache=True,
+                    ),
+                )
+            )
+        return steps
+    cache = DynamicCache(config=model.config)
+    mask = inputs.kwargs["attention_mask"]
+    steps.append(
+        _plain_outputs(
+            model, lambda: model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        )
+    )
+    for k in range(1, len(new_ids)):
+        full_mask = torch.ones(1, ids.shape[1] + k, dtype=mask.dtype)
+        steps.append(
+            _plain_outputs(
+                model,
+                lambda k=k, m=full_mask: model(
+                    input_ids=torch.tensor([[new_ids[k - 1]]]),
+                    attention_mask=m,
+                    past_key_values=cache,
+                ),
+            )
+        )
+    return steps
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        tiny_gpt2,
+        tiny_llama,
+        lambda: tiny_decoder("Mistral"),
+        lambda: tiny_decoder("Gemma"),
+        tiny_mixtral,
+        tiny_t5,
+    ],
+    ids=["gpt2", "llama", "mistral", "gemma", "moe", "t5"],
+)
+def test_every_step_equals_a_plain_cached_forward(build, tok, tmp_path: Path) -> None:  # noqa: ANN001
+    model = build()
+    inputs = _prompt(tok)
+    n = 5
+    expected = model.generate(**inputs.kwargs, max_new_tokens=n, do_sample=False, num_beams=1)
+    done = generate_model(
+        model, inputs, tmp_path / "g.safetensors", tokenizer=tok,
+        decoding=Decoding(max_new_tokens=n), plan=StepPlan("all"),
+    )  # fmt: skip
+    start = 1 if model.config.is_encoder_decoder else inputs.kwargs["input_ids"].shape[1]
+    assert done.new_ids == expected[:, start:].tolist()
+    dump = load_dump(done.path)
+    assert steps_of(dump) == list(range(len(done.new_ids[0])))
+    reference = _reference_steps(model, inputs, done.new_ids[0])
+    for step, outputs in enumerate(reference):
+        assert _assert_step_matches(step_view(dump, step), outputs) > 5
+
+
+def test_prefill_keys_and_values_equal_a_one_forward_dump(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    from modeltap.run import dump_model
+
+    model = tiny_gpt2()
+    inputs = _prompt(tok)
+    one = load_dump(dump_model(model, inputs, tmp_path / "one.safetensors"))
+    done = generate_model(model, inputs, tmp_path / "g.safetensors", tokenizer=tok)
+    prefill = step_view(load_dump(done.path), 0)
+    assert prefill.keys() == one.keys()
+    for key in one.keys():
+        torch.testing.assert_close(prefill[key], one[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_default_plan_keeps_the_prefill_and_the_last_step(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    model = tiny_gpt2()
+    done = generate_model(
+        model, _prompt(tok), tmp_path / "g.safetensors", tokenizer=tok,
+        decoding=Decoding(max_new_tokens=4),
+    )  # fmt: skip
+    dump = load_dump(done.path)
+    gen = generation_meta(dump)
+    assert gen["full_steps"] == [0, 3] and gen["stop"] == "max_new_tokens"
+    stored_steps = {split_step(k)[0] for k in dump.stored}
+    assert stored_steps == {0, 3}
+    middle = step_view(dump, 2)
+    assert middle.stats_only and "transformer.h.1" in middle.keys()
+    assert middle.stats_for("transformer.h.1") is not None
+    # every step has statistics for the same keys
+    assert step_view(dump, 1).keys() == step_view(dump, 3).keys()
+    # the metadata's tokens and probabilities are the model's own
+    scores = model.generate(
+        **_prompt(tok).kwargs, max_new_tokens=4, do_sample=False, num_beams=1,
+        return_dict_in_generate=True, output_logits=True,
+    ).logits  # fmt: skip
+    for step, logits in zip(gen["steps"], scores, strict=True):
+        probs = torch.softmax(logits[0], -1)
+        assert step["token"] == [int(probs.argmax())]
+        assert step["p"][0] == pytest.approx(float(probs.max()), rel=1e-5)
+        assert step["p_second"][0] <= step["p"][0]
+
+
+def test_steps_option_and_stats_only(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    model = tiny_gpt2()
+    plan = StepPlan.parse("1,3-4")
+    done = generate_model(
+        model, _prompt(tok), tmp_path / "g.safetensors", decoding=Decoding(max_new_tokens=6),
+        plan=plan,
+    )  # fmt: skip
+    dump = load_dump(done.path)
+    assert {split_step(k)[0] for k in dump.stored} == {1, 3, 4}
+    assert not dump.stats_only
+    done = generate_model(
+        model, _prompt(tok), tmp_path / "s.safetensors", decoding=Decoding(max_new_tokens=3),
+        plan=StepPlan("none"),
+    )  # fmt: skip
+    dump = load_dump(done.path)
+    assert dump.stats_only and not dump.stored
+    assert len([k for k in dump.stats if k.startswith("gen/step2/")]) > 10
+
+
+def test_eos_stops_early_with_a_complete_file(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    model = tiny_gpt2()
+    first = generate_model(
+        model, _prompt(tok), tmp_path / "a.safetensors", decoding=Decoding(max_new_tokens=8)
+    )
+    # make the token chosen at step 2 the end of text: decoding stops after 3 tokens
+    eos = first.new_ids[0][2]
+    assert eos not in first.new_ids[0][:2]
+    model.generation_config.eos_token_id = eos
+    done = generate_model(
+        model, _prompt(tok), tmp_path / "b.safetensors", decoding=Decoding(max_new_tokens=8)
+    )
+    assert done.new_ids == [first.new_ids[0][:3]] and done.stop == "eos"
+    dump = load_dump(done.path)
+    assert generation_meta(dump)["full_steps"] == [0, 2]
+    assert steps_of(dump) == [0, 1, 2]
+    assert step_view(dump, 2)["lm_head"].shape[1] == 1
+
+
+def test_sampling_with_a_seed_is_generate_with_that_seed(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    model = tiny_gpt2()
+    decoding = Decoding(max_new_tokens=6, do_sample=True, seed=3, top_k=50, temperature=2.0)
+    done = generate_model(model, _prompt(tok), tmp_path / "g.safetensors", decoding=decoding)
+    torch.manual_seed(3)
+    expected = model.generate(
+        **_prompt(tok).kwargs, max_new_tokens=6, do_sample=True, top_k=50, temperature=2.0
+    )
+    assert done.new_ids == expected[:, len(done.prompt_ids[0]) :].tolist()
+
+
+def test_kv_stores_each_steps_new_positions(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    from transformers import DynamicCache
+
+    model = tiny_gpt2()
+    inputs = _prompt(tok)
+    done = generate_model(
+        model, inputs, tmp_path / "g.safetensors", decoding=Decoding(max_new_tokens=3),
+        plan=StepPlan("all"), kv=True,
+    )  # fmt: skip
+    dump = load_dump(done.path)
+    cache = DynamicCache(config=model.config)
+    ids = torch.cat([inputs.kwargs["input_ids"], torch.tensor([done.new_ids[0][:2]])], 1)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+    length = inputs.kwargs["input_ids"].shape[1]
+    for layer in range(2):
+        keys, values = cache.layers[layer].keys, cache.layers[layer].values
+        for step, (lo, hi) in enumerate([(0, length), (length, length + 1), (length + 1, None)]):
+            view = step_view(dump, step)
+            torch.testing.assert_close(view[f"cache:{layer}.key"], keys[..., lo:hi, :])
+            torch.testing.assert_close(view[f"cache:{layer}.value"], values[..., lo:hi, :])
+
+
+def test_interrupted_generation_leaves_nothing(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    model = tiny_gpt2()
+    calls = []
+
+    def interrupt(module, args, output) -> None:  # noqa: ANN001
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    handle = model.transformer.h[1].register_forward_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            generate_model(model, _prompt(tok), tmp_path / "g.safetensors")
+    finally:
+        handle.remove()
+    assert list(tmp_path.iterdir()) == []
+    # the model is as before: no hook of modeltap left on it
+    assert not model._forward_pre_hooks and not model.transformer.h[0]._forward_hooks
+
+
+def test_step_keys() -> None:
+    assert step_key(12, "encoder.layer.0:0") == "gen/step12/encoder.layer.0:0"
+    assert split_step("gen/step12/encoder.layer.0:0") == (12, "encoder.layer.0:0")
+    assert split_step("encoder.layer.0") is None
+    assert StepPlan.parse("0,5-7").steps == {0, 5, 6, 7}
+
+
+runner = CliRunner()
+
+
+def test_cli_generate_and_show(gpt2_dir: Path) -> None:
+    result = runner.invoke(
+        app, ["generate", str(gpt2_dir), PROMPT, "--max-new-tokens", "4", "-o", "g.safetensors"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "generated (4 tokens)" in result.output
+    assert "stopped by max_new_tokens" in result.output
+    shown = runner.invoke(app, ["show", "g.safetensors"])
+    assert shown.exit_code == 0 and "prompt: 'hello world the quick'" in shown.output
+    tree = runner.invoke(app, ["show", "g.safetensors", "--step", "2"])
+    assert tree.exit_code == 0 and "decoding step 2" in tree.output
+    assert "transformer" in tree.output and "statistics only" in tree.output
+    as_json = runner.invoke(app, ["show", "g.safetensors", "--json"])
+    assert json.loads(as_json.output)["generate"]["stop"] == "max_new_tokens"
+    missing = runner.invoke(app, ["show", "g.safetensors", "--step", "9"])
+    assert missing.exit_code == 2 and "no step 9" in missing.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-new-tokens", "0"], "--max-new-tokens is 0; give 1 or more"),
+        (["--max-new-tokens", "-3"], "--max-new-tokens is -3"),
+        (["--model-class", "AutoModel"], "--model-class AutoModelForCausalLM"),
+        (["--temperature", "0.7"], "add --do-sample"),
+        (["--full", "--steps", "1"], "give one of --full and --steps"),
+        (["--steps", "3-1"], "rising range"),
+    ],
+)
+def test_cli_bad_input_is_one_line(gpt2_dir: Path, args: list[str], message: str) -> None:
+    result = runner.invoke(app, ["generate", str(gpt2_dir), PROMPT, "-o", "g.safetensors", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert not Path("g.safetensors").exists()
+
+
+def test_cli_prompt_longer_than_the_positions(gpt2_dir: Path) -> None:
+    result = runner.invoke(app, ["generate", str(gpt2_dir), "hello " * 70, "-o", "g.safetensors"])
+    assert result.exit_code == 2, result.output
+    assert "64 positions" in result.output and "shorten the prompt" in result.output
+
+
+def test_help_reads_well_at_80_columns() -> None:
+    result = runner.invoke(app, ["generate", "--help"], terminal_width=80, env={"COLUMNS": "80"})
+    assert result.exit_code == 0
+    assert max(len(line) for line in result.stdout.splitlines()) <= 80
+    assert "<bool>" not in result.stdout and "…" not in result.stdout
+    assert "[default: AutoModelForCausalLM" in " ".join(result.stdout.split())
+
+
+# diff of two generation dumps, compare --generate ------------------------------------------
+
+
+def _faulted(gpt2_dir: Path, folder: Path, position: int) -> Path:
+    """The tiny GPT-2 with one row of its position embedding replaced: a fault that only the
+    forward at that position sees, i.e. only from some decoding step on."""
+    import shutil
+
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(gpt2_dir)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model.transformer.wpe.weight[position] = torch.randn(32, generator=generator) * 2
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (gpt2_dir / name).is_file():
+            shutil.copy(gpt2_dir / name, folder / name)
+    return folder
+
+
+def _prompt_length(tok) -> int:  # noqa: ANN001
+    return _prompt(tok).kwargs["input_ids"].shape[1]
+
+
+def test_diff_of_two_generations(gpt2_dir: Path, tok, tmp_path: Path) -> None:  # noqa: ANN001
+    length = _prompt_length(tok)
+    faulted = _faulted(gpt2_dir, tmp_path / "faulted", length + 2)
+    for name, model in (("a", gpt2_dir), ("b", gpt2_dir), ("f", faulted)):
+        result = runner.invoke(
+            app, ["generate", str(model), PROMPT, "--max-new-tokens", "6", "-o", f"{name}.st"]
+        )
+        assert result.exit_code == 0, result.output
+    same = runner.invoke(app, ["diff", "a.st", "b.st"])
+    assert same.exit_code == 0, same.output
+    assert "tokens agree at every common step" in same.output
+    report = runner.invoke(app, ["diff", "f.st", "a.st", "--json"])
+    assert report.exit_code == 1, report.output
+    data = json.loads(report.stdout)
+    # the fault is at the position step 3 reads: steps 0-2 agree, step 3 is the first to differ,
+    # on its statistics (the default keeps tensors of steps 0 and 5 only)
+    assert data["first_divergence"] == {"step": 3, "key": "transformer.wpe"}
+    assert [s["failed"] == 0 for s in data["steps"]][:3] == [True, True, True]
+    assert data["steps"][3]["by"] == "statistics"
+    # independently: where the two models' own greedy generations part
+    from transformers import GPT2LMHeadModel
+
+    ids = _prompt(tok).kwargs
+    new = [
+        GPT2LMHeadModel.from_pretrained(m).generate(**ids, max_new_tokens=6, do_sample=False)[
+            0, length:
+        ]
+        for m in (faulted, gpt2_dir)
+    ]
+    split = next(i for i, (x, y) in enumerate(zip(*new, strict=True)) if x != y)
+    assert data["token_split"]["step"] == split
+    plain = runner.invoke(app, ["dump", str(gpt2_dir), PROMPT, "-o", "one.st"])
+    assert plain.exit_code == 0
+    mixed = runner.invoke(app, ["diff", "a.st", "one.st"])
+    assert mixed.exit_code == 2 and "is not a generation dump" in mixed.output
+
+
+def _first_departure(reference, candidate, ids: dict, new: list[int]) -> int:  # noqa: ANN001
+    """Independently: one forward of each model over the prompt and the reference's tokens; the
+    first position (as a step) where their likeliest next tokens differ."""
+    full = torch.cat([ids["input_ids"], torch.tensor([new[:-1]])], 1)
+    with torch.no_grad():
+        a = reference(input_ids=full).logits[0, ids["input_ids"].shape[1] - 1 :].argmax(-1)
+        b = candidate(input_ids=full).logits[0, ids["input_ids"].shape[1] - 1 :].argmax(-1)
+    return int((a != b).nonzero()[0])
+
+
+def test_compare_generate_names_the_step_and_the_layer(
+    gpt2_dir: Path,
+    tok,
+    tmp_path: Path,  # noqa: ANN001
+) -> None:
+    from transformers import GPT2LMHeadModel
+
+    length = _prompt_length(tok)
+    faulted = _faulted(gpt2_dir, tmp_path / "faulted", length + 2)
+    args = ["compare", str(gpt2_dir), str(faulted), PROMPT, "--generate", "6", "--json"]
+    result = runner.invoke(app, [*args, "--out-dir", "cmp"])
+    assert result.exit_code == 1, result.output
+    data = json.loads(result.stdout)
+    reference, candidate = (GPT2LMHeadModel.from_pretrained(m) for m in (gpt2_dir, faulted))
+    ids = _prompt(tok).kwargs
+    new = reference.generate(**ids, max_new_tokens=6, do_sample=False)[0, length:].tolist()
+    assert data["reference_ids"] == [new]
+    expected = _first_departure(reference, candidate, ids, new)
+    assert expected == 3  # the fault is seen from step 3 on, and there it changes the token
+    assert data["departure"]["step"] == expected
+    assert data["attributed_step"] == expected
+    assert data["origins"][0]["module"] == "transformer.wpe"
+    assert data["steps"]["first_divergence"] == {"step": 3, "key": "transformer.wpe"}
+    free = candidate.generate(**ids, max_new_tokens=6, do_sample=False)[0, length:].tolist()
+    assert data["candidate_ids"] == [free]
+    assert {p.name for p in Path("cmp").iterdir()} == {
+        "candidate.gen.safetensors",
+        "reference.gen.safetensors",
+        "report.json",
+    }
+    text = runner.invoke(app, args[:-1])
+    assert "tokens agree up to step 3" in text.output
+    assert "origin at step 3: transformer.wpe" in text.output
+
+
+def test_compare_generate_of_identical_models_passes(gpt2_dir: Path) -> None:
+    result = runner.invoke(
+        app, ["compare", str(gpt2_dir), PROMPT, "--generate", "4", "--against", "fp32"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "tokens agree at every step" in result.output and "origin" not in result.output
+
+
+def test_compare_generate_refuses_sampling_without_a_seed(gpt2_dir: Path) -> None:
+    args = ["compare", str(gpt2_dir), PROMPT, "--generate", "4", "--against", "bf16"]
+    result = runner.invoke(app, [*args, "--do-sample"])
+    assert result.exit_code == 2 and "needs --seed N" in result.output
+    seeded = runner.invoke(app, [*args, "--do-sample", "--seed", "1", "--preset", "exact"])
+    assert seeded.exit_code in (0, 1), seeded.output
+    assert "against the reference: 4 steps" in seeded.output
+
+
+def test_cli_new_tokens_past_the_positions(gpt2_dir: Path, tok) -> None:  # noqa: ANN001
+    room = 64 - _prompt_length(tok)
+    args = ["generate", str(gpt2_dir), PROMPT, "-o", "g.safetensors", "--max-new-tokens"]
+    result = runner.invoke(app, [*args, str(room + 1)])
+    assert result.exit_code == 2, result.output
+    assert f"at most {room} new ones fit" in result.output
+    assert not Path("g.safetensors").exists()
+
+
+def test_compare_generation_of_an_encoder_decoder(tmp_path: Path, tok) -> None:  # noqa: ANN001
+    import copy
+
+    from modeltap.compare.generate import compare_generation
+
+    reference = tiny_t5()
+    same = compare_generation(
+        reference, copy.deepcopy(reference), _prompt(tok), tmp_path,
+        decoding=Decoding(max_new_tokens=4),
+    )  # fmt: skip
+    assert same.passed and same.attribution is None
+    candidate = copy.deepcopy(reference)
+    with torch.no_grad():
+        candidate.decoder.block[1].layer[2].DenseReluDense.wo.weight.mul_(3.0)
+    result = compare_generation(
+        reference, candidate, _prompt(tok), tmp_path, decoding=Decoding(max_new_tokens=4)
+    )
+    assert not result.passed
+    # the decoder's feed-forward changes every step, the prefill first
+    assert result.steps.first_divergence.step == 0
+    assert result.attributed_step is not None
+    origins = [m.name for m in result.attribution.origins]
+    assert origins and origins[0] == "decoder.block.1.layer.2.DenseReluDense.wo", origins
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "candidate.gen.safetensors",
+        "reference.gen.safetensors",
+    ]
+
+
+def test_chat_prompts_go_through_the_template(tok) -> None:  # noqa: ANN001
+    from modeltap.errors import InputError
+    from modeltap.generate import prompt_inputs
+
+    model = tiny_gpt2()
+    with pytest.raises(InputError, match="no chat template"):
+        prompt_inputs(model, tok, ["hello"], chat=True)
+    tok.chat_template = (
+        "{% for m in messages %}<|endoftext|>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %} the{% endif %}"
+    )
+    try:
+        inputs = prompt_inputs(model, tok, ["hello world"], chat=True)
+    finally:
+        tok.chat_template = None
+    expected = tok("<|endoftext|>hello world the", add_special_tokens=False)["input_ids"]
+    assert inputs.kwargs["input_ids"].tolist() == [expected]
+    assert inputs.description["texts"] == ["hello world"]
+
+
+def test_generate_under_offload_equals_the_plain_run(gpt2_dir: Path) -> None:
+    """accelerate places the model on the CPU and the disk; the steps are the same."""
+    from safetensors import safe_open
+
+    with safe_open(str(gpt2_dir / "model.safetensors"), "pt") as f:
+        total = sum(f.get_tensor(k).numel() * 4 for k in f.keys())
+    args = ["generate", str(gpt2_dir), PROMPT, "--max-new-tokens", "4", "--full"]
+    plain = runner.invoke(app, [*args, "-o", "plain.st"])
+    assert plain.exit_code == 0, plain.output
+    placed = runner.invoke(
+        app,
+        [*args, "-o", "placed.st", "--device-map", "auto", "--max-memory",
+         f"cpu={total // 2}", "--offload-folder", "off"],
+    )  # fmt: skip
+    assert placed.exit_code == 0, placed.output
+    a, b = load_dump("plain.st"), load_dump("placed.st")
+    assert "disk" in json.loads(b.metadata["device_map"]).values()
+    assert generation_meta(a)["new_ids"] == generation_meta(b)["new_ids"]
+    assert a.keys() == b.keys() and len(a.stored) > 50
+    for key in a.stored:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_compare_generate_against_bf16_compares_across_dtypes(gpt2_dir: Path) -> None:
+    args = ["compare", str(gpt2_dir), PROMPT, "--generate", "4", "--against", "bf16", "--json"]
+    result = runner.invoke(app, args)
+    data = json.loads(result.stdout)
+    assert data["candidate"]["dtype"] == "bfloat16"
+    # each bfloat16 tensor compared with its float32 reference, not refused as another dtype
+    assert all(s["by"] == "tensors" and s["failed"] == 0 for s in data["steps"]["steps"])
+    assert result.exit_code == 0, result.output
+
+
+def test_prefill_logits_of_every_position_only_when_captured(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    from modeltap.selection import Selection
+
+    model = tiny_gpt2()
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda m, a, out: seen.append(out.shape[1]))
+    try:
+        generate_model(
+            model, _prompt(tok), tmp_path / "a.st", decoding=Decoding(max_new_tokens=2),
+            selection=Selection(include=("transformer.h.0",)),
+        )  # fmt: skip
+        blocks_only = list(seen)
+        seen.clear()
+        generate_model(model, _prompt(tok), tmp_path / "b.st", decoding=Decoding(max_new_tokens=2))
+    finally:
+        handle.remove()
+    assert blocks_only == [1, 1]  # generate's own economy: the last position only
+    assert seen == [_prompt_length(tok), 1]
+
+
+def test_cli_ctrl_c_mid_generation_leaves_nothing(gpt2_dir: Path, monkeypatch) -> None:  # noqa: ANN001
+    from modeltap.dump import DumpWriter
+
+    calls = []
+    original = DumpWriter.tensor
+
+    def interrupted(self, key, tensor, **kwargs) -> None:  # noqa: ANN001
+        calls.append(key)
+        if key.startswith("gen/step2/"):
+            raise KeyboardInterrupt
+        original(self, key, tensor, **kwargs)
+
+    monkeypatch.setattr(DumpWriter, "tensor", interrupted)
+    result = runner.invoke(app, ["generate", str(gpt2_dir), PROMPT, "-o", "g.safetensors"])
+    assert result.exit_code == 130 and "nothing was written" in result.output
+    assert list(Path().iterdir()) == []
