@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One-time set-up on a fresh machine (only Python needed): .venv with CPU torch pinned, modeltap
-# (editable) with its test tools and the `big` extra (accelerate), and the real all-MiniLM-L6-v2
-# unpacked into models/.
+# (editable) with its test tools and the `big`, `vision`, `audio` extras (accelerate, Pillow,
+# soundfile), and the real all-MiniLM-L6-v2 unpacked into models/.
+# espeak-ng and sox are not installed here (no root needed): where they are on PATH, one more
+# test runs Whisper on real synthetic speech; elsewhere it skips.
 # Safe to run again: each step is skipped when already done, so a second run takes about a second.
 #   TORCH_SPEC="torch==2.13.0" (default) - set it to your CUDA build's spec on a GPU machine.
 set -euo pipefail
@@ -29,8 +31,8 @@ fi
 # The editable install is redone only when pyproject.toml changed since the last one.
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  step "installing modeltap (editable) with transformers, accelerate, pytest and ruff"
-  pip install -e ".[dev,big]"
+  step "installing modeltap (editable) with transformers, accelerate, Pillow, soundfile, pytest and ruff"
+  pip install -e ".[dev,big,vision,audio]"
   echo "$want" > "$stamp"
 fi
 

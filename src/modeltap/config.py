@@ -32,6 +32,9 @@ PROJECT_FILE = "modeltap.toml"
 class Settings:
     model: str | None = None
     texts: list[str] = field(default_factory=list)
+    images: list[str] = field(default_factory=list)
+    audio: list[str] = field(default_factory=list)
+    processor: str | None = None
     input_file: str | None = None
     depth: int | None = None
     include: list[str] = field(default_factory=list)
@@ -96,6 +99,8 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 # Scalar types of each field, for checking TOML values and parsing environment variables.
 _TYPES: dict[str, type] = {
     "texts": list,
+    "images": list,
+    "audio": list,
     "include": list,
     "exclude": list,
     "inputs": bool,

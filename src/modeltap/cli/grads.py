@@ -8,10 +8,11 @@ from typing import Annotated
 import typer
 
 from modeltap.cli.app import app, handle_errors, settings
-from modeltap.cli.dump import run_dump
+from modeltap.cli.dump import run_dump, sorted_inputs
 from modeltap.cli.options import (
     OUTPUT,
     RUNNING,
+    AudioOpt,
     ConfigOpt,
     DepthOpt,
     DeviceMapOpt,
@@ -20,8 +21,10 @@ from modeltap.cli.options import (
     ExcludeOpt,
     ExplodingOpt,
     GradOutputOpt,
+    ImageOpt,
     IncludeOpt,
     InputFileOpt,
+    InputsArg,
     JacobianOpt,
     JsonOpt,
     LossOpt,
@@ -32,10 +35,11 @@ from modeltap.cli.options import (
     OffloadFolderOpt,
     ParamsOpt,
     ProbesOpt,
+    ProcessorOpt,
     RevisionOpt,
     StatsOnlyOpt,
     TargetOpt,
-    TextArg,
+    TextOpt,
     TokenizerOpt,
     TrainModeOpt,
     TrustOpt,
@@ -48,7 +52,7 @@ from modeltap.cli.options import (
 @handle_errors
 def grads(
     model: ModelArg = None,
-    text: TextArg = None,
+    text: InputsArg = None,
     target: TargetOpt = None,
     wrt: WrtOpt = None,
     loss: LossOpt = None,
@@ -58,6 +62,10 @@ def grads(
     probes: ProbesOpt = None,
     vanishing: VanishingOpt = None,
     exploding: ExplodingOpt = None,
+    image: ImageOpt = None,
+    audio: AudioOpt = None,
+    text_opt: TextOpt = None,
+    processor: ProcessorOpt = None,
     input_file: InputFileOpt = None,
     depth: DepthOpt = None,
     include: IncludeOpt = None,
@@ -100,7 +108,8 @@ def grads(
         "grads",
         config,
         model=model,
-        texts=text or [],
+        **sorted_inputs(text, image, audio, text_opt),
+        processor=processor,
         input_file=str(input_file) if input_file else None,
         depth=depth,
         include=include or [],

@@ -112,6 +112,48 @@ TrustOpt = Annotated[
 TextArg = Annotated[
     list[str] | None, typer.Argument(help="Sentences, run as one padded batch.", metavar="TEXT")
 ]
+InputsArg = Annotated[
+    list[str] | None,
+    typer.Argument(
+        help="Text, or image / audio files (told apart by content), run as one batch.",
+        metavar="TEXT|FILE",
+    ),
+]
+ImageOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--image",
+        help="Image file, any format Pillow reads; repeatable.",
+        rich_help_panel=INPUTS,
+        metavar="FILE",
+    ),
+]
+AudioOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--audio",
+        help="Audio file, any format soundfile reads; repeatable.",
+        rich_help_panel=INPUTS,
+        metavar="FILE",
+    ),
+]
+TextOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--text",
+        help="Text, even if a file of that name exists (repeatable).",
+        rich_help_panel=INPUTS,
+        metavar="TEXT",
+    ),
+]
+ProcessorOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Processor id or folder for images/audio [default: the model's].",
+        rich_help_panel=INPUTS,
+        metavar="NAME",
+    ),
+]
 InputFileOpt = Annotated[
     Path | None,
     typer.Option(
