@@ -424,3 +424,143 @@ def test_recordings_of_two_lengths_pad_where_the_extractor_would_not(tmp_path):
     inputs = extractor(waves, sampling_rate=16000, padding=True, return_tensors="pt")
     assert inputs["input_values"].shape == (2, 3200)
     assert_same_as_plain(out, folder, dict(inputs), at_least=5)
+
+
+# --- the processed inputs in the dump, and diff's "inputs differ" --------------------------
+
+
+def test_processed_inputs_are_stored_first_with_the_processor(tmp_path):
+    folder = tmp_path / "clip"
+    _, processor = build_clip(folder)
+    image = write_image(tmp_path / "cat.png", 30, 20, seed=6)
+    out = tmp_path / "clip.safetensors"
+    code, output = dump(str(folder), str(image), "hello world", "-o", str(out))
+    assert code == 0, output
+    expected = processor(
+        text=["hello world"], images=[Image.open(image).convert("RGB")], return_tensors="pt"
+    )
+    tensors, meta = stored(out)
+    for name in ("input_ids", "attention_mask", "pixel_values"):
+        torch.testing.assert_close(tensors[f"inputs/{name}"], expected[name], rtol=0, atol=0)
+    order = json.loads(meta["order"])
+    assert {k for k in order[:3]} == {
+        "inputs/input_ids",
+        "inputs/attention_mask",
+        "inputs/pixel_values",
+    }
+    described = json.loads(meta["inputs"])
+    assert described["processor"] == "CLIPProcessor"
+    assert len(described["processor_sha256"]) == 64
+    import hashlib
+
+    assert described["files"] == [
+        {
+            "file": "cat.png",
+            "kind": "image",
+            "sha256": hashlib.sha256(image.read_bytes()).hexdigest(),
+        }
+    ]
+    stats_out = tmp_path / "stats.safetensors"
+    code, output = dump(
+        str(folder), str(image), "hello world", "-o", str(stats_out), "--stats-only"
+    )
+    assert code == 0, output
+    assert not any(k.startswith("inputs/") for k in json.loads(stored(stats_out)[1]["order"]))
+
+
+def test_diff_names_preprocessing_drift_before_any_module(tmp_path):
+    from transformers import ViTImageProcessor
+
+    folder = tmp_path / "vit"
+    build_vit(folder)
+    image = write_image(tmp_path / "cat.png", 40, 30, seed=1)
+    before, after = tmp_path / "before.safetensors", tmp_path / "after.safetensors"
+    assert dump(str(folder), str(image), "-o", str(before))[0] == 0
+    # the upgrade that changes a default: another resampling filter, same model
+    ViTImageProcessor(size={"height": 16, "width": 16}, resample=3).save_pretrained(folder)
+    assert dump(str(folder), str(image), "-o", str(after))[0] == 0
+    result = runner.invoke(app, ["diff", str(after), str(before)])
+    assert result.exit_code == 1, result.output
+    lines = result.output.splitlines()
+    verdict = next(i for i, line in enumerate(lines) if line.startswith("FAIL"))
+    assert lines[verdict].startswith("FAIL: inputs differ")
+    assert lines[verdict + 1].startswith("inputs differ: inputs/pixel_values")
+    assert "first divergence: embeddings" in result.output
+    report = json.loads(runner.invoke(app, ["diff", str(after), str(before), "--json"]).output)
+    assert report["inputs_differ"] == ["inputs/pixel_values"]
+    assert report["first_divergence"] != "inputs/pixel_values"
+    same = runner.invoke(app, ["diff", str(before), str(before), "--json"])
+    assert same.exit_code == 0 and json.loads(same.output)["inputs_differ"] == []
+
+
+# --- gradients w.r.t. the processor's output ---------------------------------------------------
+
+
+def test_grads_wrt_pixel_values_equal_autograd_on_the_processed_image(tmp_path):
+    folder = tmp_path / "vit"
+    _, processor = build_vit(folder)
+    a = write_image(tmp_path / "a.png", 40, 30, seed=1)
+    b = write_image(tmp_path / "b.png", 24, 24, seed=2)
+    out = tmp_path / "vit.grads.safetensors"
+    result = runner.invoke(
+        app,
+        [
+            "grads",
+            str(folder),
+            str(a),
+            str(b),
+            "--target",
+            "layernorm",
+            "--wrt",
+            "pixel_values",
+            "-o",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    model = transformers.AutoModel.from_pretrained(folder).eval()
+    images = [Image.open(p).convert("RGB") for p in (a, b)]
+    x = processor(images=images, return_tensors="pt")["pixel_values"].requires_grad_()
+    (expected,) = torch.autograd.grad(model(pixel_values=x).last_hidden_state.sum(), x)
+    tensors, meta = stored(out)
+    torch.testing.assert_close(tensors["grad/inputs/pixel_values"], expected, rtol=1e-5, atol=1e-7)
+    assert [k for k in tensors if k.startswith("grad/")] == ["grad/inputs/pixel_values"]
+    grad = json.loads(meta["grad"])
+    assert grad["keys"] == ["inputs/pixel_values"] and grad["no_path"] == {}
+    stats = json.loads(meta["stats"])["grad/inputs/pixel_values"]
+    assert stats["norm"] == pytest.approx(float(expected.norm()), rel=1e-5)
+
+
+def test_grads_wrt_input_features_beside_a_module(tmp_path):
+    folder = tmp_path / "whisper"
+    _, extractor = build_whisper(folder)
+    wav = write_wav(tmp_path / "hi.wav", tone(16000, 0.6), 16000)
+    out = tmp_path / "whisper.grads.safetensors"
+    args = ["grads", str(folder), str(wav), "--target", "encoder.layer_norm"]
+    result = runner.invoke(
+        app, [*args, "--wrt", "input_features", "--wrt", "encoder.conv1", "-o", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    model = transformers.AutoModel.from_pretrained(folder).eval()
+    samples, rate = read_wav(wav)
+    x = extractor([samples], sampling_rate=rate, return_tensors="pt")["input_features"]
+    x.requires_grad_()
+    seen = {}
+    handle = model.encoder.conv1.register_forward_hook(lambda m, i, o: seen.setdefault("c", o))
+    y = model.encoder(input_features=x).last_hidden_state
+    handle.remove()
+    gx, gc = torch.autograd.grad(y.sum(), [x, seen["c"]])
+    tensors, _ = stored(out)
+    torch.testing.assert_close(tensors["grad/inputs/input_features"], gx, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(tensors["grad/encoder.conv1"], gc, rtol=1e-5, atol=1e-7)
+
+
+def test_grads_wrt_token_ids_is_refused(tmp_path):
+    folder = tmp_path / "clip"
+    build_clip(folder)
+    image = write_image(tmp_path / "cat.png", 30, 20)
+    result = runner.invoke(
+        app, ["grads", str(folder), str(image), "hello world", "--wrt", "input_ids"]
+    )
+    assert result.exit_code == 2, result.output
+    assert "--wrt input_ids: int64 inputs take no gradient" in result.output

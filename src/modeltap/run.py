@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from modeltap.capture import hooks, run_model
 from modeltap.dump import DEFAULT_MAX_INFLIGHT, DumpWriter
+from modeltap.dump.format import INPUTS_PREFIX
 from modeltap.loading import Inputs, check_forward_names
 from modeltap.selection import Selection, select_modules
 
@@ -86,6 +87,7 @@ def dump_model(
         max_inflight=max_inflight,
     )
     sink = _DeviceLog(writer)
+    stored_inputs = [] if stats_only else _processed_input_keys(inputs)
     if grads is not None:
         return _dump_with_grads(
             model,
@@ -108,9 +110,11 @@ def dump_model(
                 "selection": json.dumps({**selection.as_dict(), "inputs": False}),
             },
             backend=backend,
+            stored_inputs=stored_inputs,
         )
     backend_meta = {"backend": "eager"}
     with writer, torch.random.fork_rng(devices=[]):
+        _write_inputs(sink, inputs, stored_inputs)
         if backend is not None:
             done = backend.run(
                 model,
@@ -144,12 +148,31 @@ def dump_model(
             **(metadata or {}),
             "inputs": json.dumps(inputs.description),
             "selection": json.dumps({**selection.as_dict(), "inputs": capture_inputs}),
-            "order": json.dumps(rec.order),
+            "order": json.dumps([*stored_inputs, *rec.order]),
             "skipped": json.dumps(rec.skipped),
             "skipped_none": str(rec.skipped_none),
             "devices": json.dumps(sink.devices),
         }
         return writer.finish(meta)
+
+
+def _processed_input_keys(inputs: Inputs) -> list[str]:
+    """`inputs/NAME` for each tensor a processor made from images or audio (loading/processors):
+    stored first, so that `diff` finds preprocessing drift before any module."""
+    if "processor" not in inputs.description:
+        return []
+    return [f"{INPUTS_PREFIX}{name}" for name, value in inputs.kwargs.items() if _is_tensor(value)]
+
+
+def _write_inputs(sink: Any, inputs: Inputs, keys: list[str]) -> None:
+    for key in keys:
+        sink.tensor(key, inputs.kwargs[key[len(INPUTS_PREFIX) :]])
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
 
 
 @contextmanager
@@ -189,14 +212,17 @@ def _dump_with_grads(
     special_ids: tuple[int, ...],
     meta: dict[str, str],
     backend: Backend | None = None,
+    stored_inputs: list[str] | None = None,
 ) -> Path:
     from modeltap.grads import run_grads
 
+    stored_inputs = stored_inputs or []
     with (
         writer.writer,
         _offloaded_weights_frozen(model, spec),
         _grads_through(backend, model) as after,
     ):
+        _write_inputs(writer, inputs, stored_inputs)
         result = run_grads(
             model,
             inputs,
@@ -214,7 +240,7 @@ def _dump_with_grads(
                 "kind": "activations+gradients" if activations else "gradients",
                 **meta,
                 "grad": json.dumps(result.meta),
-                "order": json.dumps(result.order),
+                "order": json.dumps([*stored_inputs, *result.order]),
                 "skipped": json.dumps(result.skipped),
                 "skipped_none": str(result.skipped_none),
                 "devices": json.dumps(writer.devices),

@@ -215,9 +215,10 @@ WrtOpt = Annotated[
     typer.Option(
         "--wrt",
         "-w",
-        help="Only these modules' outputs get gradients; repeatable.",
+        help="Only these modules' outputs, or float inputs (pixel_values), get gradients; "
+        "repeatable.",
         rich_help_panel=GRADIENTS,
-        metavar="MODULE",
+        metavar="MODULE|INPUT",
     ),
 ]
 LossOpt = Annotated[
