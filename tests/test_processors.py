@@ -564,3 +564,71 @@ def test_grads_wrt_token_ids_is_refused(tmp_path):
     )
     assert result.exit_code == 2, result.output
     assert "--wrt input_ids: int64 inputs take no gradient" in result.output
+
+
+def test_compare_runs_both_checkpoints_on_the_processed_image(tmp_path):
+    folder = tmp_path / "vit"
+    _, processor = build_vit(folder)
+    image = write_image(tmp_path / "cat.png", 40, 30, seed=1)
+    work = tmp_path / "work"
+    result = runner.invoke(
+        app,
+        ["compare", str(folder), str(folder), str(image), "--out-dir", str(work), *CLASSIFIER],
+    )
+    assert result.exit_code == 0, result.output
+    expected = processor(images=[Image.open(image).convert("RGB")], return_tensors="pt")
+    # both sides run on the same processed tensors (one processor call): the reference dump
+    # equals the plain forward on the test's own processor output
+    reference = work / "reference.safetensors"
+    assert_same_as_plain(reference, folder, dict(expected), at_least=5, auto=CLASSIFIER[1])
+
+
+# --- folders, and inputs for scripts -----------------------------------------------------------
+
+
+def test_images_dir_is_one_batch_by_name_with_a_limit(tmp_path):
+    folder = tmp_path / "vit"
+    _, processor = build_vit(folder)
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for i, (w, h) in enumerate([(20, 30), (40, 20), (16, 16)]):
+        write_image(photos / f"{i}.png", w, h, seed=i)
+    (photos / "README.txt").write_text("not a picture")
+    out = tmp_path / "dir.safetensors"
+    args = [str(folder), "--images-dir", str(photos), "--limit", "2", *CLASSIFIER]
+    code, output = dump(*args, "-o", str(out))
+    assert code == 0, output
+    images = [Image.open(photos / f"{i}.png").convert("RGB") for i in (0, 1)]
+    inputs = processor(images=images, return_tensors="pt")
+    assert_same_as_plain(out, folder, dict(inputs), at_least=5, auto=CLASSIFIER[1])
+    files = json.loads(stored(out)[1]["inputs"])["files"]
+    assert [f["file"] for f in files] == ["0.png", "1.png"]
+
+
+def test_folder_with_no_usable_files(tmp_path, vit_folder, no_model_load):
+    empty = tmp_path / "docs"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("nothing to see")
+    line = refused(str(vit_folder), "--images-dir", str(empty))
+    assert "no image files" in line and "docs" in line
+    line = refused(str(vit_folder), "--audio-dir", str(tmp_path / "missing"))
+    assert "no folder" in line and "--audio-dir" in line
+    assert "--limit counts the files" in refused(str(vit_folder), "hello", "--limit", "2")
+
+
+def test_inputs_from_builds_forward_kwargs_for_a_script(tmp_path):
+    import modeltap
+
+    folder = tmp_path / "clip"
+    model, processor = build_clip(folder)
+    image = write_image(tmp_path / "cat.png", 30, 20, seed=6)
+    inputs = modeltap.inputs_from(folder, image, "hello world")
+    expected = processor(
+        text=["hello world"], images=[Image.open(image).convert("RGB")], return_tensors="pt"
+    )
+    assert set(inputs.kwargs) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(inputs.kwargs[name], value, rtol=0, atol=0)
+    with torch.no_grad():
+        out = model(**inputs.kwargs)
+    assert out.logits_per_image.shape == (1, 1)

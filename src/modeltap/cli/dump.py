@@ -13,6 +13,7 @@ from modeltap.cli.options import (
     OUTPUT,
     SELECTION,
     AllowPickleOpt,
+    AudioDirOpt,
     AudioOpt,
     CompileBackendOpt,
     CompileOpt,
@@ -25,10 +26,12 @@ from modeltap.cli.options import (
     FullgraphOpt,
     GradOutputOpt,
     ImageOpt,
+    ImagesDirOpt,
     IncludeOpt,
     InputFileOpt,
     InputsArg,
     JsonOpt,
+    LimitOpt,
     LossOpt,
     MaxInflightOpt,
     MaxLengthOpt,
@@ -60,6 +63,9 @@ def dump(
     image: ImageOpt = None,
     audio: AudioOpt = None,
     text_opt: TextOpt = None,
+    images_dir: ImagesDirOpt = None,
+    audio_dir: AudioDirOpt = None,
+    limit: LimitOpt = None,
     processor: ProcessorOpt = None,
     input_file: InputFileOpt = None,
     depth: DepthOpt = None,
@@ -118,7 +124,7 @@ def dump(
         "dump",
         config,
         model=model,
-        **sorted_inputs(text, image, audio, text_opt),
+        **sorted_inputs(text, image, audio, text_opt, images_dir, audio_dir, limit),
         processor=processor,
         input_file=str(input_file) if input_file else None,
         depth=depth,
@@ -159,14 +165,24 @@ def sorted_inputs(
     images: list[Path] | None,
     audio: list[Path] | None,
     texts: list[str] | None,
+    images_dir: Path | None = None,
+    audio_dir: Path | None = None,
+    limit: int | None = None,
 ) -> dict[str, Any]:
-    """Positional values sorted into texts, images and audio (files by content), for settings();
-    nothing given stays unset, so a config file's `texts` still applies."""
-    from modeltap.loading.processors import sort_inputs
+    """Positional values sorted into texts, images and audio (files by content), with the files
+    of --images-dir / --audio-dir, for settings(); nothing given stays unset, so a config file's
+    `texts` still applies."""
+    from modeltap.loading.processors import Kind, folder_files, sort_inputs
 
+    if limit is not None and images_dir is None and audio_dir is None:
+        raise InputError("--limit counts the files of --images-dir or --audio-dir; give one")
     media = sort_inputs(
         positionals or [], images=images or [], audio=audio or [], texts=texts or []
     )
+    if images_dir is not None:
+        media.images += folder_files(images_dir, Kind.image, limit=limit)
+    if audio_dir is not None:
+        media.audio += folder_files(audio_dir, Kind.audio, limit=limit)
     return {
         "texts": media.texts or None,
         "images": [str(p) for p in media.images] or None,

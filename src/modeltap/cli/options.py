@@ -137,6 +137,33 @@ AudioOpt = Annotated[
         metavar="FILE",
     ),
 ]
+ImagesDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--images-dir",
+        help="Every image file in this folder, by name, as one batch.",
+        rich_help_panel=INPUTS,
+        metavar="DIR",
+    ),
+]
+AudioDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--audio-dir",
+        help="Every audio file in this folder, by name, as one batch.",
+        rich_help_panel=INPUTS,
+        metavar="DIR",
+    ),
+]
+LimitOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Only the first N files of --images-dir / --audio-dir.",
+        min=1,
+        rich_help_panel=INPUTS,
+        metavar="N",
+    ),
+]
 TextOpt = Annotated[
     list[str] | None,
     typer.Option(

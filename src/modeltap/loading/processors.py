@@ -101,6 +101,49 @@ def sort_inputs(
     return media
 
 
+def folder_files(
+    folder: str | os.PathLike[str], kind: Kind, *, limit: int | None = None
+) -> list[Path]:
+    """The files of `kind` directly in `folder`, by name (others are passed over), at most
+    `limit` of them; a folder with none is an error."""
+    root = Path(folder)
+    if not root.is_dir():
+        option = "--images-dir" if kind is Kind.image else "--audio-dir"
+        raise InputError(f"no folder '{root}'; check {option}")
+    found = []
+    for path in sorted(p for p in root.iterdir() if p.is_file()):
+        if limit is not None and len(found) >= limit:
+            break
+        try:
+            if classify(path) is kind:
+                found.append(path)
+        except InputError:
+            continue
+    if not found:
+        formats = IMAGE_FORMATS if kind is Kind.image else AUDIO_FORMATS
+        raise InputError(f"no {kind.value} files ({formats}) in '{root}'; check the folder")
+    return found
+
+
+def inputs_from(
+    model: str | os.PathLike[str],
+    *items: str | os.PathLike[str],
+    processor: str | os.PathLike[str] | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    max_length: int | None = None,
+) -> Inputs:
+    """Forward's tensors from files and texts, through the model's processor, for a script:
+    `model(**modeltap.inputs_from("google/vit-base-patch16-224", "cat.jpg").kwargs)`.
+    Existing files are images or audio by content; other strings are text."""
+    media = sort_inputs([str(i) for i in items])
+    where = processor or model
+    loaded = load_processor(
+        where, revision=None if processor else revision, trust_remote_code=trust_remote_code
+    )
+    return processor_inputs(loaded, media, max_length=max_length)
+
+
 def read_image(path: Path) -> Any:
     """An RGB PIL image turned upright by its EXIF orientation, as transformers' load_image does."""
     pil = _import("PIL.Image", "vision")
