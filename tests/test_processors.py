@@ -28,6 +28,7 @@ from tests.fixtures.media import (
     build_clip,
     build_convnext,
     build_detr,
+    build_llava,
     build_vit,
     build_whisper,
     hooked_forward,
@@ -632,3 +633,42 @@ def test_inputs_from_builds_forward_kwargs_for_a_script(tmp_path):
     with torch.no_grad():
         out = model(**inputs.kwargs)
     assert out.logits_per_image.shape == (1, 1)
+
+
+# --- vision-language models: image + text through one call, --chat ----------------------------
+
+
+def test_llava_chat_turn_with_an_image(tmp_path):
+    folder = tmp_path / "llava"
+    _, processor = build_llava(folder)
+    image = write_image(tmp_path / "cat.png", 30, 20, seed=7)
+    out = tmp_path / "llava.safetensors"
+    code, output = dump(str(folder), "--image", str(image), "hello world", "--chat", "-o", str(out))
+    assert code == 0, output
+    turn = [{"type": "image"}, {"type": "text", "text": "hello world"}]
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": turn}], add_generation_prompt=True
+    )
+    assert prompt == "user: <image>hello world | assistant:"
+    inputs = processor(text=prompt, images=[Image.open(image).convert("RGB")], return_tensors="pt")
+    assert_same_as_plain(out, folder, dict(inputs), at_least=20)
+    described = json.loads(stored(out)[1]["inputs"])
+    assert described["texts"] == ["hello world"] and described["chat_prompt"] == prompt
+
+
+def test_llava_without_chat_names_the_fix(tmp_path, no_model_load):
+    folder = tmp_path / "llava"
+    build_llava(folder)
+    image = write_image(tmp_path / "cat.png", 30, 20)
+    line = refused(str(folder), str(image), "hello world")
+    assert "add --chat" in line
+    line = refused(str(folder), str(image), "one", "two", "--chat")
+    assert "--chat makes one user turn; give one TEXT (got 2)" in line
+
+
+def test_chat_with_a_processor_without_template(tmp_path, vit_folder, no_model_load):
+    from tests.fixtures.hf import build_bert
+
+    bert = build_bert(tmp_path / "bert")
+    line = refused(str(bert), "hello world", "--chat")
+    assert "has no chat template; drop --chat" in line

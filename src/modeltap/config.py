@@ -35,6 +35,7 @@ class Settings:
     images: list[str] = field(default_factory=list)
     audio: list[str] = field(default_factory=list)
     processor: str | None = None
+    chat: bool = False
     input_file: str | None = None
     depth: int | None = None
     include: list[str] = field(default_factory=list)
@@ -101,6 +102,7 @@ _TYPES: dict[str, type] = {
     "texts": list,
     "images": list,
     "audio": list,
+    "chat": bool,
     "include": list,
     "exclude": list,
     "inputs": bool,

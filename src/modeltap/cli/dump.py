@@ -15,6 +15,7 @@ from modeltap.cli.options import (
     AllowPickleOpt,
     AudioDirOpt,
     AudioOpt,
+    ChatOpt,
     CompileBackendOpt,
     CompileOpt,
     ConfigOpt,
@@ -67,6 +68,7 @@ def dump(
     audio_dir: AudioDirOpt = None,
     limit: LimitOpt = None,
     processor: ProcessorOpt = None,
+    chat: ChatOpt = None,
     input_file: InputFileOpt = None,
     depth: DepthOpt = None,
     include: IncludeOpt = None,
@@ -126,6 +128,7 @@ def dump(
         model=model,
         **sorted_inputs(text, image, audio, text_opt, images_dir, audio_dir, limit),
         processor=processor,
+        chat=chat,
         input_file=str(input_file) if input_file else None,
         depth=depth,
         include=include or [],
@@ -355,9 +358,10 @@ def _check_before_loading(s: Settings) -> Any:
 
 
 def _processed_inputs(s: Settings, where: str | None = None) -> Any:
-    """Images and audio (with any texts) through the model's processor, or None without files:
-    a bad file or a processor that can't take them is found before the weights load."""
-    if not (s.images or s.audio or s.processor):
+    """Images and audio (with any texts) through the model's processor, or None without files,
+    --processor or --chat: a bad file or a processor that can't take them is found before the
+    weights load."""
+    if not (s.images or s.audio or s.processor or s.chat):
         return None
     from modeltap.loading.processors import Media, load_processor, processor_inputs
 
@@ -367,7 +371,7 @@ def _processed_inputs(s: Settings, where: str | None = None) -> Any:
         trust_remote_code=s.trust_remote_code,
     )
     media = Media(list(s.texts), [Path(p) for p in s.images], [Path(p) for p in s.audio])
-    return processor_inputs(processor, media, max_length=s.max_length)
+    return processor_inputs(processor, media, max_length=s.max_length, chat=s.chat)
 
 
 def _placement(s: Settings) -> Any:

@@ -181,6 +181,14 @@ ProcessorOpt = Annotated[
         metavar="NAME",
     ),
 ]
+ChatOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--chat/--no-chat",
+        help="Make the one TEXT and the files a user turn of the processor's chat template.",
+        rich_help_panel=INPUTS,
+    ),
+]
 InputFileOpt = Annotated[
     Path | None,
     typer.Option(

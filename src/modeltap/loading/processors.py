@@ -132,6 +132,7 @@ def inputs_from(
     revision: str | None = None,
     trust_remote_code: bool = False,
     max_length: int | None = None,
+    chat: bool = False,
 ) -> Inputs:
     """Forward's tensors from files and texts, through the model's processor, for a script:
     `model(**modeltap.inputs_from("google/vit-base-patch16-224", "cat.jpg").kwargs)`.
@@ -141,7 +142,7 @@ def inputs_from(
     loaded = load_processor(
         where, revision=None if processor else revision, trust_remote_code=trust_remote_code
     )
-    return processor_inputs(loaded, media, max_length=max_length)
+    return processor_inputs(loaded, media, max_length=max_length, chat=chat)
 
 
 def read_image(path: Path) -> Any:
@@ -271,8 +272,11 @@ def _parts(processor: Any) -> _Parts:
     return _Parts(tokenizer=processor)
 
 
-def processor_inputs(processor: Any, media: Media, *, max_length: int | None = None) -> Inputs:
-    """Images, audio and texts through `processor` in one call, as one padded batch."""
+def processor_inputs(
+    processor: Any, media: Media, *, max_length: int | None = None, chat: bool = False
+) -> Inputs:
+    """Images, audio and texts through `processor` in one call, as one padded batch; `chat`
+    first makes the one text and the files a user turn of the processor's chat template."""
     parts = _parts(processor)
     name = type(processor).__name__
     if media.images and parts.image is None:
@@ -289,10 +293,14 @@ def processor_inputs(processor: Any, media: Media, *, max_length: int | None = N
         raise InputError(
             f"the model's processor ({name}) takes no text; give only image or audio files"
         )
+    prompt = _chat_prompt(processor, media) if chat else None
     images = [read_image(p) for p in media.images]
     rate = int(getattr(parts.audio, "sampling_rate", 0) or 16000)
     sounds = [read_audio(p, rate) for p in media.audio]
     waves = [a.wave for a in sounds]
+    texts = list(media.texts)
+    if prompt is not None:
+        media = Media([prompt], media.images, media.audio)
     text_options: dict[str, Any] = {"padding": len(media.texts) > 1}
     if max_length is not None:
         text_options.update(truncation=True, max_length=max_length)
@@ -315,14 +323,19 @@ def processor_inputs(processor: Any, media: Media, *, max_length: int | None = N
     except InputError:
         raise
     except Exception as exc:  # a processor raises ValueError, TypeError... for what it can't do
-        raise InputError(_batch_message(exc, media, images, sounds)) from exc
+        message = _batch_message(exc, media, images, sounds)
+        if not chat and media.texts and getattr(processor, "chat_template", None):
+            message += "; or add --chat to build the prompt with its chat template"
+        raise InputError(message) from exc
     kwargs = {k: v for k, v in dict(encoded).items() if hasattr(v, "shape")}
     description: dict[str, Any] = {
         "processor": name,
         "processor_sha256": processor_hash(processor),
     }
-    if media.texts:
-        description["texts"] = list(media.texts)
+    if texts:
+        description["texts"] = texts
+    if prompt is not None:
+        description["chat_prompt"] = prompt
     files = [_file_entry(p, "image") for p in media.images]
     for p, a in zip(media.audio, sounds, strict=True):
         files.append({**_file_entry(p, "audio"), **({"note": a.note} if a.note else {})})
@@ -331,6 +344,31 @@ def processor_inputs(processor: Any, media: Media, *, max_length: int | None = N
         description["max_length"] = max_length
     description["tensors"] = {k: list(v.shape) for k, v in kwargs.items()}
     return Inputs((), kwargs, description)
+
+
+def _chat_prompt(processor: Any, media: Media) -> str:
+    """The one text and every file as one user turn, through the chat template, with the
+    generation prompt after it (as the model's chat pipeline builds it)."""
+    if len(media.texts) != 1:
+        raise InputError(f"--chat makes one user turn; give one TEXT (got {len(media.texts)})")
+    if not getattr(processor, "chat_template", None):
+        raise InputError(
+            f"the model's processor ({type(processor).__name__}) has no chat template; "
+            "drop --chat, or pass --processor with one that has"
+        )
+    text = media.texts[0]
+    content: Any = text
+    if media.has_files:
+        content = [{"type": "image"} for _ in media.images]
+        content += [{"type": "audio"} for _ in media.audio]
+        content.append({"type": "text", "text": text})
+    messages = [{"role": "user", "content": content}]
+    try:
+        return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - a template raises what its Jinja code raises
+        raise InputError(
+            f"the processor's chat template failed ({first_line(exc)}); drop --chat"
+        ) from exc
 
 
 def _audio_padding(extractor: Any, waves: list[Any]) -> dict[str, Any]:
