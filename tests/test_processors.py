@@ -228,6 +228,26 @@ def test_resample_matches_the_tone_made_at_the_new_rate():
     assert np.abs(down[200:-200] - expected[200:-200]).max() < 2e-3
 
 
+@pytest.mark.parametrize(("orig", "new"), [(8000, 16000), (44100, 16000), (16000, 11025)])
+def test_resample_is_the_windowed_sinc_sum_sample_by_sample(orig, new):
+    # y[n] = sum_k x[k] * s * sinc(s * (k - n / r)) * cos^2(pi s (k - n / r) / 12) over the 6 zero
+    # crossings each side, s = 0.99 min(orig, new) / orig, r = new / orig: torchaudio's defaults,
+    # summed here one output sample at a time in float64 instead of as modeltap's strided conv.
+    x = np.random.default_rng(1).standard_normal(300).astype(np.float32)
+    got = resample(x, orig, new)
+    g = np.gcd(orig, new)
+    o, n_ = orig // g, new // g
+    s = 0.99 * min(o, n_) / o
+    k = np.arange(len(x))
+    expected = np.empty(len(got))
+    for n in range(len(got)):
+        t = np.clip((k - n * o / n_) * s, -6, 6)
+        window = np.cos(np.pi * t / 12) ** 2
+        expected[n] = np.sum(x * s * np.sinc(t) * window)
+    assert len(got) == -(-len(x) * n_ // o)
+    np.testing.assert_allclose(got, expected, atol=1e-4)  # float32 kernel and sums
+
+
 @pytest.mark.skipif(
     shutil.which("espeak-ng") is None or shutil.which("sox") is None,
     reason="espeak-ng and sox are not installed (scripts/setup.sh installs them where apt can)",
