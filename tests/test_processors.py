@@ -692,3 +692,20 @@ def test_chat_with_a_processor_without_template(tmp_path, vit_folder, no_model_l
     bert = build_bert(tmp_path / "bert")
     line = refused(str(bert), "hello world", "--chat")
     assert "has no chat template; drop --chat" in line
+
+
+def test_heading_names_the_files_and_the_processor_and_no_decoder_start_is_stored(tmp_path):
+    folder = tmp_path / "whisper"
+    build_whisper(folder)
+    wav = write_wav(tmp_path / "hi.wav", tone(16000, 0.2), 16000)
+    out = tmp_path / "w.safetensors"
+    code, output = dump(str(folder), str(wav), "-o", str(out), "--depth", "1")
+    assert code == 0, output
+    from modeltap.dump import load_dump
+    from modeltap.render import dump_heading
+
+    heading = dump_heading(load_dump(out)).plain
+    assert "inputs: hi.wav via WhisperProcessor" in heading
+    tensors, meta = stored(out)
+    assert [k for k in tensors if k.startswith("inputs/")] == ["inputs/input_features"]
+    assert json.loads(meta["inputs"])["decoder_input_ids"] == "decoder start token 1"

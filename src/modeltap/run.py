@@ -161,7 +161,12 @@ def _processed_input_keys(inputs: Inputs) -> list[str]:
     stored first, so that `diff` finds preprocessing drift before any module."""
     if "processor" not in inputs.description:
         return []
-    return [f"{INPUTS_PREFIX}{name}" for name, value in inputs.kwargs.items() if _is_tensor(value)]
+    made = inputs.description.get("tensors", {})  # not the decoder start added after it
+    return [
+        f"{INPUTS_PREFIX}{name}"
+        for name, value in inputs.kwargs.items()
+        if name in made and _is_tensor(value)
+    ]
 
 
 def _write_inputs(sink: Any, inputs: Inputs, keys: list[str]) -> None:
