@@ -22,6 +22,7 @@ import shlex
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -55,8 +56,30 @@ def _faulted_minilm(folder: Path) -> None:
             shutil.copy(source / name, folder / name)
 
 
-# Folders some examples name, made in the scratch folder the first time a command mentions them.
-FIXTURES = {"./minilm-fault": _faulted_minilm}
+def _tiny_vit(folder: Path) -> None:
+    """`./tiny-vit` of the images example: a random 2-layer ViT classifier with its processor."""
+    from tests.fixtures.media import build_vit
+
+    build_vit(folder)
+
+
+def _picture(seed: int, width: int, height: int) -> Any:
+    def make(path: Path) -> None:
+        from tests.fixtures.media import write_image
+
+        write_image(path, width, height, seed=seed)
+
+    return make
+
+
+# Folders and files some examples name, made in the scratch folder the first time a command
+# mentions them.
+FIXTURES = {
+    "./minilm-fault": _faulted_minilm,
+    "./tiny-vit": _tiny_vit,
+    "cat.png": _picture(1, 64, 48),
+    "dog.jpg": _picture(2, 40, 60),
+}
 
 
 def run(command: str, cwd: Path) -> tuple[list[str], int]:

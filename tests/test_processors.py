@@ -91,10 +91,12 @@ def test_images_are_told_by_content_not_name(tmp_path, fmt):
     assert classify(path) is Kind.image
 
 
-@pytest.mark.parametrize("fmt", ["WAV", "FLAC", "OGG"])
+@pytest.mark.parametrize("fmt", ["WAV", "FLAC", "OGG", "MP3"])
 def test_audio_is_told_by_content(tmp_path, fmt):
     import soundfile
 
+    if fmt not in soundfile.available_formats():
+        pytest.skip(f"this libsndfile does not write {fmt}")
     path = tmp_path / "sound.bin"
     soundfile.write(str(path), np.zeros(800, dtype=np.float32), 8000, format=fmt)
     assert classify(path) is Kind.audio
