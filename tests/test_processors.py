@@ -23,6 +23,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from modeltap.cli import app
+from modeltap.errors import InputError
 from modeltap.loading.processors import Kind, classify, resample, sort_inputs
 from tests.fixtures.media import (
     build_clip,
@@ -711,3 +712,17 @@ def test_heading_names_the_files_and_the_processor_and_no_decoder_start_is_store
     tensors, meta = stored(out)
     assert [k for k in tensors if k.startswith("inputs/")] == ["inputs/input_features"]
     assert json.loads(meta["inputs"])["decoder_input_ids"] == "decoder start token 1"
+
+
+def test_a_folder_given_as_a_positional_names_the_dir_options(tmp_path, vit_folder, no_model_load):
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    line = refused(str(vit_folder), str(photos))
+    assert f"--images-dir {photos}" in line
+
+
+def test_a_text_file_starting_like_a_bitmap_is_not_an_image(tmp_path):
+    notes = tmp_path / "notes"
+    notes.write_text("BMW and other car makers")
+    with pytest.raises(InputError, match="not a supported image"):
+        classify(notes)

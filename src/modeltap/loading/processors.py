@@ -46,7 +46,7 @@ def classify(path: str | os.PathLike[str]) -> Kind:
         head.startswith(b"\x89PNG\r\n\x1a\n")
         or head.startswith(b"\xff\xd8\xff")
         or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
-        or head.startswith(b"BM")
+        or (head.startswith(b"BM") and head[6:10] == b"\x00\x00\x00\x00")  # reserved, zero
         or head[:4] in (b"II*\x00", b"MM\x00*")
     ):
         return Kind.image
@@ -93,6 +93,11 @@ def sort_inputs(
             if not p.is_file():
                 raise InputError(f"no file '{p}'; check {option}")
     for value in positionals:
+        if os.path.isdir(value):
+            raise InputError(
+                f"'{value}' is a folder; pass --images-dir {value} or --audio-dir {value}, "
+                "or --text to run its name as text"
+            )
         if os.path.isfile(value):
             kind = classify(value)
             (media.images if kind is Kind.image else media.audio).append(Path(value))
