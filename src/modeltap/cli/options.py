@@ -141,7 +141,7 @@ ImagesDirOpt = Annotated[
     Path | None,
     typer.Option(
         "--images-dir",
-        help="Every image file in this folder, by name, as one batch.",
+        help="Every image file in this folder, by name, added to the batch.",
         rich_help_panel=INPUTS,
         metavar="DIR",
     ),
@@ -150,7 +150,7 @@ AudioDirOpt = Annotated[
     Path | None,
     typer.Option(
         "--audio-dir",
-        help="Every audio file in this folder, by name, as one batch.",
+        help="Every audio file in this folder, by name, added to the batch.",
         rich_help_panel=INPUTS,
         metavar="DIR",
     ),
@@ -168,7 +168,7 @@ TextOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--text",
-        help="Text, even if a file of that name exists (repeatable).",
+        help="Text, even where a file of that name exists; repeatable.",
         rich_help_panel=INPUTS,
         metavar="TEXT",
     ),
