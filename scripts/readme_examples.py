@@ -31,6 +31,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -109,12 +110,32 @@ def _runs_apart(folder: Path) -> None:
     _run_with_fault(folder, 20 if folder.name == "fault" else None)
 
 
-# Folders some examples name, made in the scratch folder the first time a command mentions them.
+def _tiny_vit(folder: Path) -> None:
+    """`./tiny-vit` of the images example: a random 2-layer ViT classifier with its processor."""
+    from tests.fixtures.media import build_vit
+
+    build_vit(folder)
+
+
+def _picture(seed: int, width: int, height: int) -> Any:
+    def make(path: Path) -> None:
+        from tests.fixtures.media import write_image
+
+        write_image(path, width, height, seed=seed)
+
+    return make
+
+
+# Folders and files some examples name, made in the scratch folder the first time a command
+# mentions them.
 FIXTURES = {
     "./minilm-fault": _faulted_minilm,
     "runs/exp3": _tripped_run,
     "runs/base": _runs_apart,
     "runs/fault": _runs_apart,
+    "./tiny-vit": _tiny_vit,
+    "cat.png": _picture(1, 64, 48),
+    "dog.jpg": _picture(2, 40, 60),
 }
 
 

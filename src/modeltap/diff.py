@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from modeltap.dump import Dump, load_dump
+from modeltap.dump.format import INPUTS_PREFIX
 from modeltap.errors import DumpFormatError, InputError
 
 REPORT_SCHEMA = "modeltap.diff/1"
@@ -131,9 +132,16 @@ class DiffReport:
         return [p for p in self.pairs if not p.ok]
 
     @property
+    def inputs_differ(self) -> list[Pair]:
+        """Processed inputs (`inputs/...`, from images or audio) out of tolerance: the numbers
+        changed before layer 0, in the preprocessing, and every module downstream follows."""
+        return [p for p in self.failed if p.key.startswith(INPUTS_PREFIX)]
+
+    @property
     def first_divergence(self) -> Pair | None:
-        """The earliest pair out of tolerance in execution order (None without a recorded order)."""
-        failed = self.failed
+        """The earliest module out of tolerance in execution order (None without a recorded
+        order); differing inputs are reported apart, by `inputs_differ`."""
+        failed = [p for p in self.failed if not p.key.startswith(INPUTS_PREFIX)]
         return failed[0] if failed and self.ordered else None
 
     def matched(self, how: str) -> list[tuple[str, str]]:
@@ -151,6 +159,7 @@ class DiffReport:
             "a": str(self.a),
             "b": str(self.b),
             "passed": self.passed,
+            "inputs_differ": [p.key for p in self.inputs_differ],
             "strict": self.strict,
             "tolerance": asdict(self.tolerance),
             "ordered": self.ordered,

@@ -246,7 +246,10 @@ def run_grads(
 
     spec.check()
     by_name = {(n or ROOT): m for n, m in model.named_modules()}
-    wrt_modules, wrt_keys = _wrt_sets(spec.wrt, modules, by_name)
+    wrt_inputs = [w for w in spec.wrt if w not in by_name and w in inputs.kwargs]
+    wrt_modules, wrt_keys = _wrt_sets(
+        [w for w in spec.wrt if w not in wrt_inputs], modules, by_name, only_inputs=bool(wrt_inputs)
+    )
     hooked = set(wrt_modules) | set(activations)
     target_module = None
     if spec.target is not None:
@@ -278,6 +281,8 @@ def run_grads(
     )
     frozen = _params_to_enable(model, modules) if spec.params else []
     leaves: list[torch.Tensor] = []
+    for name in wrt_inputs:
+        kwargs[name] = _input_leaf(name, kwargs[name], sink)
 
     def start_path(name: str, output: Any) -> Any:
         # A frozen module's output is not in the graph: make it a leaf so gradients can reach it.
@@ -403,12 +408,38 @@ def run_grads(
     return GradRun(meta, order, recorder.skipped, recorder.skipped_none)
 
 
+def _input_leaf(name: str, value: Any, sink: _GradSink) -> torch.Tensor:
+    """A float input of forward (`pixel_values`, `input_features`) as a leaf whose gradient is
+    stored as `grad/inputs/NAME`: the gradient w.r.t. the processor's output (saliency)."""
+    from modeltap.dump.format import INPUTS_PREFIX
+
+    if not value.is_floating_point():
+        raise InputError(
+            f"--wrt {name}: {str(value.dtype).removeprefix('torch.')} inputs take no gradient; "
+            "ask for the embeddings module's output instead (e.g. --wrt embeddings)"
+        )
+    import torch
+
+    leaf = value.detach().clone().requires_grad_()
+    key = INPUTS_PREFIX + name
+    sink.candidates.append(key)
+    leaf.register_hook(sink._writer_hook(key))
+    sink.edges.append(torch.autograd.graph.get_gradient_edge(leaf))
+    sink.hooked[key] = leaf if sink.keep else None  # type: ignore[assignment]
+    return leaf
+
+
 def _wrt_sets(
-    wrt: Sequence[str], modules: Sequence[str], by_name: dict[str, Any]
+    wrt: Sequence[str],
+    modules: Sequence[str],
+    by_name: dict[str, Any],
+    *,
+    only_inputs: bool = False,
 ) -> tuple[set[str], set[str]]:
-    """(modules to hook for gradients, exact keys asked for, empty when whole modules)."""
+    """(modules to hook for gradients, exact keys asked for, empty when whole modules);
+    `only_inputs`: --wrt named inputs of forward alone, so no module gets gradients."""
     if not wrt:
-        return set(modules), set()
+        return (set(), set()) if only_inputs else (set(modules), set())
     names, keys = set(), set()
     for item in wrt:
         module = split_key(item)[0]

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from modeltap.capture import hooks, run_model
 from modeltap.dump import DEFAULT_MAX_INFLIGHT, DumpWriter
+from modeltap.dump.format import INPUTS_PREFIX
 from modeltap.loading import Inputs, check_forward_names
 from modeltap.selection import Selection, select_modules
 
@@ -89,6 +90,7 @@ def dump_model(
         hist=hist,
     )
     sink = _DeviceLog(writer)
+    stored_inputs = [] if stats_only else _processed_input_keys(inputs)
     if grads is not None:
         return _dump_with_grads(
             model,
@@ -111,9 +113,11 @@ def dump_model(
                 "selection": json.dumps({**selection.as_dict(), "inputs": False}),
             },
             backend=backend,
+            stored_inputs=stored_inputs,
         )
     backend_meta = {"backend": "eager"}
     with writer, torch.random.fork_rng(devices=[]):
+        _write_inputs(sink, inputs, stored_inputs)
         if backend is not None:
             done = backend.run(
                 model,
@@ -147,12 +151,36 @@ def dump_model(
             **(metadata or {}),
             "inputs": json.dumps(inputs.description),
             "selection": json.dumps({**selection.as_dict(), "inputs": capture_inputs}),
-            "order": json.dumps(rec.order),
+            "order": json.dumps([*stored_inputs, *rec.order]),
             "skipped": json.dumps(rec.skipped),
             "skipped_none": str(rec.skipped_none),
             "devices": json.dumps(sink.devices),
         }
         return writer.finish(meta)
+
+
+def _processed_input_keys(inputs: Inputs) -> list[str]:
+    """`inputs/NAME` for each tensor a processor made from images or audio (loading/processors):
+    stored first, so that `diff` finds preprocessing drift before any module."""
+    if "processor" not in inputs.description:
+        return []
+    made = inputs.description.get("tensors", {})  # not the decoder start added after it
+    return [
+        f"{INPUTS_PREFIX}{name}"
+        for name, value in inputs.kwargs.items()
+        if name in made and _is_tensor(value)
+    ]
+
+
+def _write_inputs(sink: Any, inputs: Inputs, keys: list[str]) -> None:
+    for key in keys:
+        sink.tensor(key, inputs.kwargs[key[len(INPUTS_PREFIX) :]])
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
 
 
 @contextmanager
@@ -192,14 +220,17 @@ def _dump_with_grads(
     special_ids: tuple[int, ...],
     meta: dict[str, str],
     backend: Backend | None = None,
+    stored_inputs: list[str] | None = None,
 ) -> Path:
     from modeltap.grads import run_grads
 
+    stored_inputs = stored_inputs or []
     with (
         writer.writer,
         _offloaded_weights_frozen(model, spec),
         _grads_through(backend, model) as after,
     ):
+        _write_inputs(writer, inputs, stored_inputs)
         result = run_grads(
             model,
             inputs,
@@ -217,7 +248,7 @@ def _dump_with_grads(
                 "kind": "activations+gradients" if activations else "gradients",
                 **meta,
                 "grad": json.dumps(result.meta),
-                "order": json.dumps(result.order),
+                "order": json.dumps([*stored_inputs, *result.order]),
                 "skipped": json.dumps(result.skipped),
                 "skipped_none": str(result.skipped_none),
                 "devices": json.dumps(writer.devices),

@@ -101,7 +101,7 @@ def compare_command(
         list[str] | None,
         typer.Argument(
             help="[CANDIDATE] TEXT...: a second checkpoint to compare with (without --against, "
-            "or a folder holding config.json), then the sentences.",
+            "or a folder holding config.json), then the sentences or image / audio files.",
             show_default=False,
             metavar="TEXT",
         ),
@@ -216,9 +216,10 @@ def compare_command(
         raise InputError("--stats-only applies to the dumps --out-dir keeps; give --out-dir DIR")
     if s.candidate is None and s.against is None:
         raise InputError("nothing to compare with; give a CANDIDATE model or --against bf16, ...")
-    if s.texts and s.input_file:
-        raise InputError("give TEXT or --input-file, not both")
-    if not s.texts and not s.input_file:
+    given = s.texts or s.images or s.audio
+    if given and s.input_file:
+        raise InputError("give TEXT or FILEs, or --input-file, not both")
+    if not given and not s.input_file:
         if s.against is None:
             raise InputError(
                 f"nothing to run on, or nothing to compare with: '{s.candidate}' was taken for "
@@ -316,7 +317,11 @@ def _split_positionals(s: Settings, rest: list[str]) -> None:
         if s.against is None or (first / "config.json").is_file():
             s.candidate, rest = rest[0], rest[1:]
     if rest:
-        s.texts = rest
+        from modeltap.cli.dump import sorted_inputs
+
+        for name, values in sorted_inputs(rest, None, None, None).items():
+            if values:
+                setattr(s, name, values)
 
 
 def _out_dir(path: str | None) -> Path | None:

@@ -13,6 +13,9 @@ from modeltap.cli.options import (
     OUTPUT,
     SELECTION,
     AllowPickleOpt,
+    AudioDirOpt,
+    AudioOpt,
+    ChatOpt,
     CompileBackendOpt,
     CompileOpt,
     ConfigOpt,
@@ -24,9 +27,13 @@ from modeltap.cli.options import (
     FullgraphOpt,
     GradOutputOpt,
     HistOpt,
+    ImageOpt,
+    ImagesDirOpt,
     IncludeOpt,
     InputFileOpt,
+    InputsArg,
     JsonOpt,
+    LimitOpt,
     LossOpt,
     MaxInflightOpt,
     MaxLengthOpt,
@@ -36,11 +43,12 @@ from modeltap.cli.options import (
     OffloadFolderOpt,
     OutOpt,
     ParamsOpt,
+    ProcessorOpt,
     RevisionOpt,
     SeedOpt,
     StatsOnlyOpt,
     TargetOpt,
-    TextArg,
+    TextOpt,
     TokenizerOpt,
     TrainModeOpt,
     TrustOpt,
@@ -53,7 +61,15 @@ from modeltap.errors import InputError
 @handle_errors
 def dump(
     model: ModelArg = None,
-    text: TextArg = None,
+    text: InputsArg = None,
+    image: ImageOpt = None,
+    audio: AudioOpt = None,
+    text_opt: TextOpt = None,
+    images_dir: ImagesDirOpt = None,
+    audio_dir: AudioDirOpt = None,
+    limit: LimitOpt = None,
+    processor: ProcessorOpt = None,
+    chat: ChatOpt = None,
     input_file: InputFileOpt = None,
     depth: DepthOpt = None,
     include: IncludeOpt = None,
@@ -107,12 +123,14 @@ def dump(
     config: ConfigOpt = None,
     max_inflight: MaxInflightOpt = None,
 ) -> None:
-    """Run a model on text or tensors and write every selected module's output to safetensors."""
+    """Run a model on text, images, audio or tensors and write every selected module's output."""
     s = settings(
         "dump",
         config,
         model=model,
-        texts=text or [],
+        **sorted_inputs(text, image, audio, text_opt, images_dir, audio_dir, limit),
+        processor=processor,
+        chat=chat,
         input_file=str(input_file) if input_file else None,
         depth=depth,
         include=include or [],
@@ -216,6 +234,36 @@ def refuse_pickle_flag(model: str, allow_pickle: bool | None) -> None:
         )
 
 
+def sorted_inputs(
+    positionals: list[str] | None,
+    images: list[Path] | None,
+    audio: list[Path] | None,
+    texts: list[str] | None,
+    images_dir: Path | None = None,
+    audio_dir: Path | None = None,
+    limit: int | None = None,
+) -> dict[str, Any]:
+    """Positional values sorted into texts, images and audio (files by content), with the files
+    of --images-dir / --audio-dir, for settings(); nothing given stays unset, so a config file's
+    `texts` still applies."""
+    from modeltap.loading.processors import Kind, folder_files, sort_inputs
+
+    if limit is not None and images_dir is None and audio_dir is None:
+        raise InputError("--limit counts the files of --images-dir or --audio-dir; give one")
+    media = sort_inputs(
+        positionals or [], images=images or [], audio=audio or [], texts=texts or []
+    )
+    if images_dir is not None:
+        media.images += folder_files(images_dir, Kind.image, limit=limit)
+    if audio_dir is not None:
+        media.audio += folder_files(audio_dir, Kind.audio, limit=limit)
+    return {
+        "texts": media.texts or None,
+        "images": [str(p) for p in media.images] or None,
+        "audio": [str(p) for p in media.audio] or None,
+    }
+
+
 def run_dump(
     s: Settings, *, json_out: bool, grads: bool, activations: bool, allow_pickle: bool = False
 ) -> None:
@@ -243,11 +291,11 @@ def run_dump(
             raise InputError("--inputs is for activations only; drop it with gradients")
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
-    if s.texts and s.input_file:
-        raise InputError("give TEXT or --input-file, not both")
+    if (s.texts or s.images or s.audio) and s.input_file:
+        raise InputError("give TEXT or FILEs, or --input-file, not both")
     transformed = _is_transformed(s.model)
-    if not s.texts and not s.input_file and not transformed:
-        raise InputError("nothing to run on; give TEXT or --input-file")
+    if not (s.texts or s.images or s.audio or s.input_file or transformed):
+        raise InputError("nothing to run on; give TEXT, an image or audio FILE, or --input-file")
     if s.max_inflight_mb < 0:
         raise InputError(f"--max-inflight is {s.max_inflight_mb}; give MiB >= 0 (0 writes inline)")
     path = Path(s.out) if s.out else default_out(s.model, grads_only=not activations)
@@ -381,7 +429,7 @@ def _check_before_loading(s: Settings) -> Any:
     from modeltap.loading import file_inputs, load_meta_model
     from modeltap.selection import Selection, select_modules
 
-    inputs_ = file_inputs(s.input_file) if s.input_file else None
+    inputs_ = file_inputs(s.input_file) if s.input_file else _processed_inputs(s)
     if s.include or s.exclude or s.depth is not None:
         try:
             meta_model, _ = load_meta_model(
@@ -394,6 +442,23 @@ def _check_before_loading(s: Settings) -> Any:
             return inputs_
         select_modules(meta_model, Selection(s.depth, tuple(s.include), tuple(s.exclude)))
     return inputs_
+
+
+def _processed_inputs(s: Settings, where: str | None = None) -> Any:
+    """Images and audio (with any texts) through the model's processor, or None without files,
+    --processor or --chat: a bad file or a processor that can't take them is found before the
+    weights load."""
+    if not (s.images or s.audio or s.processor or s.chat):
+        return None
+    from modeltap.loading.processors import Media, load_processor, processor_inputs
+
+    processor = load_processor(
+        s.processor or where or s.model or "",
+        revision=None if s.processor else s.revision,
+        trust_remote_code=s.trust_remote_code,
+    )
+    media = Media(list(s.texts), [Path(p) for p in s.images], [Path(p) for p in s.audio])
+    return processor_inputs(processor, media, max_length=s.max_length, chat=s.chat)
 
 
 def _placement(s: Settings) -> Any:
@@ -430,14 +495,18 @@ def _load_with_inputs(
         max_memory=s.max_memory,
         offload_folder=s.offload_folder,
     )
+    if file_inputs_ is None and not s.input_file:
+        file_inputs_ = _processed_inputs(s, str(loaded.source.path))
     tok = None
-    if s.texts or need_tokenizer:
+    if (s.texts and file_inputs_ is None) or need_tokenizer:
         where = s.tokenizer or loaded.source.path
         tok = load_tokenizer(where, trust_remote_code=s.trust_remote_code)
-    if s.texts:
+    if file_inputs_ is not None:
+        inputs_ = file_inputs_
+    elif s.texts:
         inputs_ = text_inputs(tok, s.texts, max_length=s.max_length)
     else:
-        inputs_ = file_inputs_ or file_inputs(s.input_file or "")
+        inputs_ = file_inputs(s.input_file or "")
     check_length(loaded.model, inputs_)
     inputs_ = add_decoder_inputs(loaded.model, inputs_)
     return loaded, inputs_.to(loaded.device, getattr(torch, loaded.dtype)), tok
@@ -499,7 +568,14 @@ def _load_transformed(s: Settings, allow_pickle: bool = False) -> tuple[Any, Any
         source = ModelSource(model_name, Path.cwd())
     loaded = Loaded(model, source, model_class=model_class)
     tok = None
-    if s.texts:
+    if s.images or s.audio:
+        if not s.processor:
+            raise InputError(
+                f"'{model_name}' holds no processor for images or audio; pass --processor "
+                "(e.g. the model's folder) or give tensors with --input-file"
+            )
+        inputs_ = _processed_inputs(s)
+    elif s.texts:
         if not s.tokenizer:
             raise InputError(
                 f"'{model_name}' holds no tokenizer; pass --tokenizer (e.g. the model's folder) "

@@ -119,6 +119,83 @@ TrustOpt = Annotated[
 TextArg = Annotated[
     list[str] | None, typer.Argument(help="Sentences, run as one padded batch.", metavar="TEXT")
 ]
+InputsArg = Annotated[
+    list[str] | None,
+    typer.Argument(
+        help="Text, or image / audio files (told apart by content), run as one batch.",
+        metavar="TEXT|FILE",
+    ),
+]
+ImageOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--image",
+        help="Image file, any format Pillow reads; repeatable.",
+        rich_help_panel=INPUTS,
+        metavar="FILE",
+    ),
+]
+AudioOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--audio",
+        help="Audio file, any format soundfile reads; repeatable.",
+        rich_help_panel=INPUTS,
+        metavar="FILE",
+    ),
+]
+ImagesDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--images-dir",
+        help="Every image file in this folder, by name, added to the batch.",
+        rich_help_panel=INPUTS,
+        metavar="DIR",
+    ),
+]
+AudioDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--audio-dir",
+        help="Every audio file in this folder, by name, added to the batch.",
+        rich_help_panel=INPUTS,
+        metavar="DIR",
+    ),
+]
+LimitOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Only the first N files of --images-dir / --audio-dir.",
+        min=1,
+        rich_help_panel=INPUTS,
+        metavar="N",
+    ),
+]
+TextOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--text",
+        help="Text, even where a file of that name exists; repeatable.",
+        rich_help_panel=INPUTS,
+        metavar="TEXT",
+    ),
+]
+ProcessorOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Processor id or folder for images/audio [default: the model's].",
+        rich_help_panel=INPUTS,
+        metavar="NAME",
+    ),
+]
+ChatOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--chat/--no-chat",
+        help="Make the one TEXT and the files a user turn of the processor's chat template.",
+        rich_help_panel=INPUTS,
+    ),
+]
 InputFileOpt = Annotated[
     Path | None,
     typer.Option(
@@ -189,9 +266,10 @@ WrtOpt = Annotated[
     typer.Option(
         "--wrt",
         "-w",
-        help="Only these modules' outputs get gradients; repeatable.",
+        help="Only these modules' outputs, or float inputs (pixel_values), get gradients; "
+        "repeatable.",
         rich_help_panel=GRADIENTS,
-        metavar="MODULE",
+        metavar="MODULE|INPUT",
     ),
 ]
 LossOpt = Annotated[
@@ -433,7 +511,7 @@ TopPOpt = Annotated[
         rich_help_panel=RUNNING,
     ),
 ]
-ChatOpt = Annotated[
+PromptChatOpt = Annotated[
     bool | None,
     typer.Option(
         "--chat/--no-chat",

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 FORMAT = "modeltap"
 FORMAT_VERSION = 1
 GRAD_PREFIX = "grad/"
+# The tensors a processor made from images or audio, as the model received them (full dumps only).
+INPUTS_PREFIX = "inputs/"
 
 # Every metadata key the writer may set; values are strings, JSON-encoded when marked.
 METADATA_KEYS = {
@@ -35,7 +37,8 @@ METADATA_KEYS = {
     "model": "model id or path as given",
     "revision": "resolved commit hash of a Hub model, when known",
     "model_class": "class that loaded the model, e.g. BertModel",
-    "inputs": "JSON: texts, or input file name and sha256, and the input tensors' shapes",
+    "inputs": "JSON: texts, or input file name and sha256, and the input tensors' shapes; "
+    "with images/audio: processor class, processor_sha256 and each file's name, kind, sha256",
     "dtype": "model dtype",
     "device": "device the model ran on",
     "torch": "torch version",

@@ -47,6 +47,8 @@ def diff_heading(report: DiffReport) -> Text:
             f"{change.level}: {change.key} differs: {change.a} vs {change.b}\n", style=style
         )
     verdict = "PASS" if report.passed else "FAIL"
+    if report.inputs_differ:
+        verdict = "FAIL: inputs differ"
     text.append(verdict, style="bold green" if report.passed else "bold red")
     text.append(
         f"  {len(report.pairs)} compared, {len(report.failed)} out of tolerance "
@@ -56,6 +58,14 @@ def diff_heading(report: DiffReport) -> Text:
         text.append(f", {len(report.only_a)} only in A, {len(report.only_b)} only in B")
         if report.strict:
             text.append(" (--strict)")
+    differ = report.inputs_differ
+    if differ:
+        text.append("\ninputs differ: ", style="bold")
+        text.append(differ[0].key, style="bold red")
+        text.append(
+            f"  ({_diff_summary(differ[0])}): the preprocessing changed before layer 0"
+            + (f"; {len(differ) - 1} more input tensors differ" if len(differ) > 1 else "")
+        )
     mapped, structural = report.matched("mapped"), report.matched("structural")
     if mapped:
         text.append(f"\n{len(mapped)} keys paired by --map, e.g. {_arrow(mapped[0])}")
@@ -67,7 +77,7 @@ def diff_heading(report: DiffReport) -> Text:
         )
     first = report.first_divergence
     if first is not None:
-        downstream = len(report.failed) - 1
+        downstream = len(report.failed) - len(differ) - 1
         text.append("\nfirst divergence: ", style="bold")
         text.append(first.key, style="bold red")
         text.append(f"  ({_diff_summary(first)})")

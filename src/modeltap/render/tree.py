@@ -276,7 +276,11 @@ def dump_heading(dump: Dump) -> Text:
         text.append(f" ({meta.get('model_class', '?')}, {meta.get('dtype', '?')}, ")
         text.append(f"{meta.get('device', '?')})")
         inputs = json.loads(meta.get("inputs", "{}"))
-        if "texts" in inputs:
+        if inputs.get("files"):  # images / audio through the model's processor
+            shown = [f["file"] for f in inputs["files"]]
+            shown += [repr(t) for t in inputs.get("texts", [])]
+            text.append(f"  inputs: {' | '.join(shown)} via {inputs.get('processor', '?')}")
+        elif "texts" in inputs:
             text.append("  inputs: " + " | ".join(repr(t) for t in inputs["texts"]))
         elif "file" in inputs:
             text.append(f"  inputs: {inputs['file']}")

@@ -1,0 +1,435 @@
+"""Images and audio through the model's own processor, as its Hugging Face pipeline would.
+
+Files are told apart by their first bytes, not their names. Pillow (`modeltap[vision]`) and
+soundfile (`modeltap[audio]`) are imported only when an image or a recording is read, so text-only
+runs and `modeltap --help` never need them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from modeltap.errors import InputError, first_line
+from modeltap.loading.inputs import Inputs, _sha256
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+class Kind(str, Enum):
+    image = "image"
+    audio = "audio"
+
+
+IMAGE_FORMATS = "PNG, JPEG, WebP, BMP, TIFF"
+AUDIO_FORMATS = "WAV, FLAC, OGG, MP3"
+_TENSOR_SUFFIXES = (".safetensors", ".npy", ".npz", ".pt", ".pth")
+
+
+def classify(path: str | os.PathLike[str]) -> Kind:
+    """An image or an audio file, by its first bytes; anything else is refused with the formats."""
+    p = Path(path)
+    with open(p, "rb") as f:
+        head = f.read(16)
+    if not head:
+        raise InputError(f"'{p}' is empty; give an image ({IMAGE_FORMATS}) or audio file")
+    if (
+        head.startswith(b"\x89PNG\r\n\x1a\n")
+        or head.startswith(b"\xff\xd8\xff")
+        or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
+        or (head.startswith(b"BM") and head[6:10] == b"\x00\x00\x00\x00")  # reserved, zero
+        or head[:4] in (b"II*\x00", b"MM\x00*")
+    ):
+        return Kind.image
+    if (
+        (head[:4] in (b"RIFF", b"RF64") and head[8:12] == b"WAVE")
+        or head.startswith((b"fLaC", b"OggS", b"ID3"))
+        # an MP3 frame header without an ID3 tag: 11 sync bits, then MPEG version and layer 3
+        or (head[0] == 0xFF and (head[1] & 0xE6) == 0xE2)
+    ):
+        return Kind.audio
+    if p.suffix.lower() in _TENSOR_SUFFIXES:
+        raise InputError(f"'{p.name}' holds tensors, not an image or audio; pass --input-file {p}")
+    raise InputError(
+        f"'{p}' is not a supported image ({IMAGE_FORMATS}) or audio ({AUDIO_FORMATS}) file; "
+        "convert it, or pass it with --text to run its name as text"
+    )
+
+
+@dataclass
+class Media:
+    """What to run: texts, image files and audio files, as sorted from the command line."""
+
+    texts: list[str] = field(default_factory=list)
+    images: list[Path] = field(default_factory=list)
+    audio: list[Path] = field(default_factory=list)
+
+    @property
+    def has_files(self) -> bool:
+        return bool(self.images or self.audio)
+
+
+def sort_inputs(
+    positionals: Sequence[str],
+    *,
+    images: Sequence[str | os.PathLike[str]] = (),
+    audio: Sequence[str | os.PathLike[str]] = (),
+    texts: Sequence[str] = (),
+) -> Media:
+    """Positional values that are existing files are images or audio by content, the rest text;
+    `images`, `audio` and `texts` (--image, --audio, --text) are taken as given."""
+    media = Media(list(texts), [Path(p) for p in images], [Path(p) for p in audio])
+    for given, option in ((media.images, "--image"), (media.audio, "--audio")):
+        for p in given:
+            if not p.is_file():
+                raise InputError(f"no file '{p}'; check {option}")
+    for value in positionals:
+        if os.path.isdir(value):
+            raise InputError(
+                f"'{value}' is a folder; pass --images-dir {value} or --audio-dir {value}, "
+                "or --text to run its name as text"
+            )
+        if os.path.isfile(value):
+            kind = classify(value)
+            (media.images if kind is Kind.image else media.audio).append(Path(value))
+        else:
+            media.texts.append(value)
+    return media
+
+
+def folder_files(
+    folder: str | os.PathLike[str], kind: Kind, *, limit: int | None = None
+) -> list[Path]:
+    """The files of `kind` directly in `folder`, by name (others are passed over), at most
+    `limit` of them; a folder with none is an error."""
+    root = Path(folder)
+    if not root.is_dir():
+        option = "--images-dir" if kind is Kind.image else "--audio-dir"
+        raise InputError(f"no folder '{root}'; check {option}")
+    found = []
+    for path in sorted(p for p in root.iterdir() if p.is_file()):
+        if limit is not None and len(found) >= limit:
+            break
+        try:
+            if classify(path) is kind:
+                found.append(path)
+        except InputError:
+            continue
+    if not found:
+        formats = IMAGE_FORMATS if kind is Kind.image else AUDIO_FORMATS
+        raise InputError(f"no {kind.value} files ({formats}) in '{root}'; check the folder")
+    return found
+
+
+def inputs_from(
+    model: str | os.PathLike[str],
+    *items: str | os.PathLike[str],
+    processor: str | os.PathLike[str] | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    max_length: int | None = None,
+    chat: bool = False,
+) -> Inputs:
+    """Forward's tensors from files and texts, through the model's processor, for a script:
+    `model(**modeltap.inputs_from("google/vit-base-patch16-224", "cat.jpg").kwargs)`.
+    Existing files are images or audio by content; other strings are text."""
+    media = sort_inputs([str(i) for i in items])
+    where = processor or model
+    loaded = load_processor(
+        where, revision=None if processor else revision, trust_remote_code=trust_remote_code
+    )
+    return processor_inputs(loaded, media, max_length=max_length, chat=chat)
+
+
+def read_image(path: Path) -> Any:
+    """An RGB PIL image turned upright by its EXIF orientation, as transformers' load_image does."""
+    pil = _import("PIL.Image", "vision")
+    from PIL import ImageOps
+
+    try:
+        with pil.open(path) as opened:
+            opened.load()  # decodes every byte now: a truncated file fails here, not later
+            image = ImageOps.exif_transpose(opened)
+            return image.convert("RGB")
+    except (OSError, ValueError, SyntaxError) as exc:  # Pillow's kinds for a corrupt file
+        raise InputError(f"can't read image '{path}' ({first_line(exc)}); check the file") from exc
+
+
+@dataclass
+class Audio:
+    """One recording as mono float32 at the processor's rate, and what was done to get there."""
+
+    wave: np.ndarray
+    rate: int
+    note: str | None = None
+
+
+def read_audio(path: Path, rate: int) -> Audio:
+    """Mono float32 samples at `rate`: channels averaged, other rates resampled (with a note)."""
+    sf = _import("soundfile", "audio")
+    try:
+        data, file_rate = sf.read(str(path), dtype="float32", always_2d=True)
+    except Exception as exc:  # soundfile raises LibsndfileError (a RuntimeError) or others
+        raise InputError(f"can't read audio '{path}' ({first_line(exc)}); check the file") from exc
+    if data.shape[0] == 0:
+        raise InputError(f"audio '{path}' has no samples; give a recording that is not empty")
+    wave = data.mean(axis=1, dtype="float32") if data.shape[1] > 1 else data[:, 0]
+    notes = []
+    if data.shape[1] > 1:
+        notes.append(f"{data.shape[1]} channels mixed down to mono")
+    if file_rate != rate:
+        wave = resample(wave, file_rate, rate)
+        notes.append(f"resampled from {file_rate} Hz to {rate} Hz")
+    return Audio(wave, rate, "; ".join(notes) or None)
+
+
+def resample(wave: np.ndarray, orig: int, new: int) -> np.ndarray:
+    """Windowed-sinc resampling, the same numbers as torchaudio.functional.resample's defaults
+    (Hann window, 6 zero crossings, rolloff 0.99), which the audio pipelines use."""
+    import numpy as np
+    import torch
+
+    gcd = math.gcd(int(orig), int(new))
+    orig, new = int(orig) // gcd, int(new) // gcd
+    width_zeros, rolloff = 6, 0.99
+    base = min(orig, new) * rolloff
+    width = math.ceil(width_zeros * orig / base)
+    x = torch.from_numpy(np.ascontiguousarray(wave, dtype=np.float32))
+    idx = torch.arange(-width, width + orig, dtype=x.dtype)[None, None] / orig
+    t = torch.arange(0, -new, -1, dtype=x.dtype)[:, None, None] / new + idx
+    t *= base
+    t = t.clamp_(-width_zeros, width_zeros)
+    window = torch.cos(t * math.pi / width_zeros / 2) ** 2
+    t *= math.pi
+    kernel = torch.where(t == 0, torch.tensor(1.0).to(t), t.sin() / t)
+    kernel *= window * (base / orig)
+    padded = torch.nn.functional.pad(x[None], (width, width + orig))
+    out = torch.nn.functional.conv1d(padded[:, None], kernel, stride=orig)
+    out = out.transpose(1, 2).reshape(1, -1)[0]
+    return out[: math.ceil(new * x.shape[0] / orig)].numpy()
+
+
+def load_processor(
+    where: str | os.PathLike[str], *, revision: str | None = None, trust_remote_code: bool = False
+) -> Any:
+    """The model's processor: AutoProcessor, else its image processor, feature extractor or
+    tokenizer alone, from the files next to the model (or `--processor`)."""
+    import transformers
+
+    options: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if revision:
+        options["revision"] = revision
+    quiet = transformers.logging.get_verbosity()
+    # Without torchvision an image processor falls back to its Pillow twin with a warning per
+    # load; the pipeline falls back the same way, so the numbers are the pipeline's.
+    transformers.logging.set_verbosity_error()
+    try:
+        for auto in (
+            transformers.AutoProcessor,
+            transformers.AutoImageProcessor,
+            transformers.AutoFeatureExtractor,
+            transformers.AutoTokenizer,
+        ):
+            try:
+                return auto.from_pretrained(str(where), **options)
+            except (OSError, ValueError, TypeError, KeyError):
+                continue
+    finally:
+        transformers.logging.set_verbosity(quiet)
+    raise InputError(
+        f"no processor for '{where}' (not in the folder or the offline cache); "
+        "pass --processor with a folder or id that has one"
+    )
+
+
+@dataclass
+class _Parts:
+    image: Any = None
+    audio: Any = None
+    tokenizer: Any = None
+
+
+def _parts(processor: Any) -> _Parts:
+    import transformers
+
+    if isinstance(processor, transformers.ProcessorMixin):
+        return _Parts(
+            getattr(processor, "image_processor", None),
+            getattr(processor, "feature_extractor", None),
+            getattr(processor, "tokenizer", None),
+        )
+    if isinstance(processor, transformers.BaseImageProcessor):
+        return _Parts(image=processor)
+    if isinstance(processor, transformers.SequenceFeatureExtractor):
+        return _Parts(audio=processor)
+    # An image processor that is not a BaseImageProcessor (some Pillow twins) still has this:
+    if hasattr(processor, "preprocess") and hasattr(processor, "image_mean"):
+        return _Parts(image=processor)
+    return _Parts(tokenizer=processor)
+
+
+def processor_inputs(
+    processor: Any, media: Media, *, max_length: int | None = None, chat: bool = False
+) -> Inputs:
+    """Images, audio and texts through `processor` in one call, as one padded batch; `chat`
+    first makes the one text and the files a user turn of the processor's chat template."""
+    parts = _parts(processor)
+    name = type(processor).__name__
+    if media.images and parts.image is None:
+        raise InputError(
+            f"the model's processor ({name}) takes no images; give text, or --processor with "
+            "one that has an image processor"
+        )
+    if media.audio and parts.audio is None:
+        raise InputError(
+            f"the model's processor ({name}) takes no audio; give text, or --processor with "
+            "one that has a feature extractor"
+        )
+    if media.texts and parts.tokenizer is None:
+        raise InputError(
+            f"the model's processor ({name}) takes no text; give only image or audio files"
+        )
+    prompt = _chat_prompt(processor, media) if chat else None
+    images = [read_image(p) for p in media.images]
+    rate = int(getattr(parts.audio, "sampling_rate", 0) or 16000)
+    sounds = [read_audio(p, rate) for p in media.audio]
+    waves = [a.wave for a in sounds]
+    texts = list(media.texts)
+    if prompt is not None:
+        media = Media([prompt], media.images, media.audio)
+    text_options: dict[str, Any] = {"padding": len(media.texts) > 1}
+    if max_length is not None:
+        text_options.update(truncation=True, max_length=max_length)
+    try:
+        if media.images and not media.texts and not media.audio:
+            encoded = parts.image(images=images, return_tensors="pt")
+        elif media.audio and not media.texts and not media.images:
+            encoded = parts.audio(
+                waves, sampling_rate=rate, return_tensors="pt", **_audio_padding(parts.audio, waves)
+            )
+        else:
+            call: dict[str, Any] = {"return_tensors": "pt", **text_options}
+            if media.texts:
+                call["text"] = list(media.texts)
+            if images:
+                call["images"] = images
+            if waves:
+                call.update(audio=waves, sampling_rate=rate)
+            encoded = processor(**call)
+    except InputError:
+        raise
+    except Exception as exc:  # a processor raises ValueError, TypeError... for what it can't do
+        message = _batch_message(exc, media, images, sounds)
+        if not chat and media.texts and getattr(processor, "chat_template", None):
+            message += "; or add --chat to build the prompt with its chat template"
+        raise InputError(message) from exc
+    kwargs = {k: v for k, v in dict(encoded).items() if hasattr(v, "shape")}
+    description: dict[str, Any] = {
+        "processor": name,
+        "processor_sha256": processor_hash(processor),
+    }
+    if texts:
+        description["texts"] = texts
+    if prompt is not None:
+        description["chat_prompt"] = prompt
+    files = [_file_entry(p, "image") for p in media.images]
+    for p, a in zip(media.audio, sounds, strict=True):
+        files.append({**_file_entry(p, "audio"), **({"note": a.note} if a.note else {})})
+    description["files"] = files
+    if max_length is not None:
+        description["max_length"] = max_length
+    description["tensors"] = {k: list(v.shape) for k, v in kwargs.items()}
+    return Inputs((), kwargs, description)
+
+
+def _chat_prompt(processor: Any, media: Media) -> str:
+    """The one text and every file as one user turn, through the chat template, with the
+    generation prompt after it (as the model's chat pipeline builds it)."""
+    if len(media.texts) != 1:
+        raise InputError(f"--chat makes one user turn; give one TEXT (got {len(media.texts)})")
+    if not getattr(processor, "chat_template", None):
+        raise InputError(
+            f"the model's processor ({type(processor).__name__}) has no chat template; "
+            "drop --chat, or pass --processor with one that has"
+        )
+    text = media.texts[0]
+    content: Any = text
+    if media.has_files:
+        content = [{"type": "image"} for _ in media.images]
+        content += [{"type": "audio"} for _ in media.audio]
+        content.append({"type": "text", "text": text})
+    messages = [{"role": "user", "content": content}]
+    try:
+        return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - a template raises what its Jinja code raises
+        raise InputError(
+            f"the processor's chat template failed ({first_line(exc)}); drop --chat"
+        ) from exc
+
+
+def _audio_padding(extractor: Any, waves: list[Any]) -> dict[str, Any]:
+    """Recordings of different lengths pad to the longest where the extractor would not pad
+    (Wav2Vec2's default); Whisper's own default pads every one to 30 s and is kept."""
+    if len({len(w) for w in waves}) < 2:
+        return {}
+    try:
+        default = inspect.signature(extractor.__call__).parameters["padding"].default
+    except (KeyError, TypeError, ValueError):
+        return {}
+    return {"padding": True} if default in (False, "do_not_pad") else {}
+
+
+def _batch_message(exc: Exception, media: Media, images: list[Any], sounds: list[Audio]) -> str:
+    sizes = ""
+    if len(images) > 1 and len({im.size for im in images}) > 1:
+        sizes = "images of sizes " + ", ".join(f"{w}x{h}" for w, h in (im.size for im in images))
+    elif len(sounds) > 1 and len({len(a.wave) for a in sounds}) > 1:
+        sizes = "recordings of " + ", ".join(str(len(a.wave)) for a in sounds) + " samples"
+    if sizes:
+        return (
+            f"the processor can't batch {sizes} ({first_line(exc)}); give files of one size, "
+            "or one file per run"
+        )
+    return f"the processor refused the inputs ({first_line(exc)}); check them against the model"
+
+
+def _file_entry(path: Path, kind: str) -> dict[str, Any]:
+    return {"file": path.name, "kind": kind, "sha256": _sha256(path)}
+
+
+def processor_hash(processor: Any) -> str:
+    """sha256 of the processor's configuration: the same settings give the same hash."""
+    to_dict = getattr(processor, "to_dict", None)
+    if callable(to_dict):
+        try:
+            config: Any = to_dict()
+        except Exception:  # noqa: BLE001 - some processors can't serialise a part; fall back
+            config = None
+        if config is not None:
+            text = json.dumps(config, sort_keys=True, default=str)
+            return hashlib.sha256(text.encode()).hexdigest()
+    vocab = processor.get_vocab() if hasattr(processor, "get_vocab") else {}
+    text = json.dumps([type(processor).__name__, sorted(vocab.items())], default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _import(module: str, extra: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        package = {"vision": "Pillow", "audio": "soundfile"}[extra]
+        raise InputError(
+            f"reading {'images' if extra == 'vision' else 'audio'} needs {package}; "
+            f"pip install 'modeltap[{extra}]'"
+        ) from exc
