@@ -1,0 +1,451 @@
+"""Gradients of one module output (or a loss) w.r.t. the outputs of many modules, in one backward.
+
+How: the forward runs with grad enabled and the selected modules hooked. Each selected float
+output that is part of the autograd graph gets a tensor hook, and one `torch.autograd.grad` call
+from the target asks for the gradients of every graph leaf (trainable parameters, and the leaves
+started at frozen modules). The backward pass then runs through every node upstream of the
+target once; each tensor hook streams its gradient to the dump as it is computed, so gradients are
+never all held at once, and a selected tensor whose hook never fires has no path to the target.
+
+`autograd.grad` never touches `.grad`: the user's parameters come out as they went in.
+Tensor hooks receive the gradient w.r.t. the value the module returned, even when the model later
+changes that tensor in place.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from modeltap.capture import flatten, make_key, split_key
+from modeltap.dump import GRAD_PREFIX
+from modeltap.errors import InputError, SelectionError
+from modeltap.grads.jacobian import jacobian_norms
+from modeltap.grads.losses import check_causal, lm_loss, mask_for_mlm, mlm_loss
+from modeltap.grads.spec import GradSpec, seed_tensor
+from modeltap.selection import ROOT, unknown_name_message
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from modeltap.dump import DumpWriter
+
+
+
+@dataclass
+class GradRun:
+    meta: dict[str, Any]
+    order: list[str]  # activations in execution order, then gradients in backward order
+    skipped: dict[str, str]
+    skipped_none: int
+
+
+
+@dataclass
+class _GradSink:
+    """Receives the forward's outputs: writes activations if asked, hooks tensors for gradients."""
+
+    writer: DumpWriter
+    activations: set[str]  # modules whose outputs are written as activations
+    wrt: Callable[[str], bool]  # keys that get gradients
+    target: str | None
+    keep: bool  # keep references to the wrt tensors (for the Jacobian probes)
+    candidates: list[str] = field(default_factory=list)  # wrt keys in forward order
+    hooked: dict[str, torch.Tensor] = field(default_factory=dict)
+    written: list[str] = field(default_factory=list)
+    no_path: dict[str, str] = field(default_factory=dict)
+    grad_aliases: dict[str, str] = field(default_factory=dict)
+    y: torch.Tensor | None = None
+    # Where each hooked tensor meets the graph: asking autograd for these rather than for the
+    # parameters skips every weight gradient nobody stores (without keeping the tensors alive).
+    edges: list[Any] = field(default_factory=list)
+    live: bool = True
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _seen: dict[str, weakref.ref[Any]] = field(default_factory=dict)
+
+    def tensor(self, key: str, tensor: torch.Tensor) -> None:
+        if split_key(key)[0] in self.activations:
+            self.writer.tensor(key, tensor.detach())
+        if key == self.target:
+            self.y = tensor
+        self._seen[key] = weakref.ref(tensor)
+        if not self.wrt(key):
+            return
+        self.candidates.append(key)
+        if not tensor.is_floating_point() and not tensor.is_complex():
+            self.no_path[key] = f"{str(tensor.dtype).removeprefix('torch.')}, not float"
+        elif not tensor.requires_grad:
+            self.no_path[key] = "no path"
+        else:
+            import torch
+
+            tensor.register_hook(self._writer_hook(key))
+            self.edges.append(torch.autograd.graph.get_gradient_edge(tensor))
+            self.hooked[key] = tensor if self.keep else None  # type: ignore[assignment]
+
+    def alias(self, key: str, target: str) -> None:
+        if split_key(key)[0] in self.activations:
+            self.writer.alias(key, target)
+        if key == self.target:
+            self.y = self._seen[target]()
+        if self.wrt(key):
+            self.candidates.append(key)
+            self.grad_aliases[key] = target
+
+    def _writer_hook(self, key: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if self.live:
+                with self._lock:
+                    self.writer.tensor(GRAD_PREFIX + key, grad.detach(), count_zeros=True)
+                    self.written.append(key)
+
+        return hook
+
+
+
+def run_grads(
+    model: nn.Module,
+    inputs: Any,
+    writer: DumpWriter,
+    *,
+    spec: GradSpec,
+    modules: Sequence[str],
+    activations: Sequence[str] = (),
+    train_mode: bool = False,
+    seed: int = 0,
+    mask_token_id: int | None = None,
+    special_ids: Sequence[int] = (),
+) -> GradRun:
+    """Run forward and one backward, streaming gradients (and `activations`) to `writer`.
+
+    `modules` are the selected display names; gradients are taken w.r.t. their outputs, or only
+    w.r.t. `spec.wrt` when given. Returns the `grad` metadata (target, loss, seed, no-path keys,
+    Jacobian-norm estimates) and the file's key order. Raises InputError or SelectionError for
+    what the user must fix.
+    """
+    import torch
+
+    spec.check()
+    by_name = {(n or ROOT): m for n, m in model.named_modules()}
+    wrt_inputs = [w for w in spec.wrt if w not in by_name and w in inputs.kwargs]
+    wrt_modules, wrt_keys = _wrt_sets(
+        [w for w in spec.wrt if w not in wrt_inputs], modules, by_name, only_inputs=bool(wrt_inputs)
+    )
+    hooked = set(wrt_modules) | set(activations)
+    if spec.target is not None:
+        target_module = split_key(spec.target)[0]
+        if target_module not in by_name:
+            raise SelectionError("--target: " + unknown_name_message(target_module, by_name))
+        hooked.add(target_module)
+    args, kwargs = inputs.args, dict(inputs.kwargs)
+    loss_info: dict[str, Any] = {}
+    labels = None
+    generator = torch.Generator().manual_seed(seed)
+    if spec.target is None and spec.loss == "lm":
+        check_causal(model)
+    if spec.target is None and spec.loss == "mlm":
+        kwargs, labels, loss_info = mask_for_mlm(
+            model, kwargs, mask_token_id, special_ids, generator
+        )
+
+    def wanted(key: str) -> bool:
+        module = split_key(key)[0]
+        return module in wrt_modules and (not wrt_keys or _key_matches(key, wrt_keys))
+
+    sink = _GradSink(
+        writer, set(activations), wanted, target=spec.target, keep=spec.jacobian_norm > 0
+    )
+    frozen = _params_to_enable(model, modules) if spec.params else []
+    for name in wrt_inputs:
+        kwargs[name] = _input_leaf(name, kwargs[name], sink)
+    try:
+        for p in frozen:
+            p.requires_grad_(True)
+        output, recorder, leaves = _forward(
+            model, args, kwargs, sink, hooked, wrt_modules, by_name, train_mode, seed
+        )
+        y, target_key = _target(spec, sink, output, recorder, model, kwargs, labels, loss_info)
+        v = seed_tensor(spec.grad_output, y, generator) if y.dim() else torch.ones_like(y)
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        results = _backward(model, y, v, spec, sink, [p for _, p in params] + leaves, train_mode)
+        param_keys = _collect(writer, sink, target_key, spec, modules, by_name, params, results)
+        del results
+        jacobian = {}
+        if spec.jacobian_norm:
+            reached = set(sink.written) - {target_key}
+            xs = [k for k in sink.candidates if k in sink.hooked and k in reached]
+            estimates = jacobian_norms(
+                y, [sink.hooked[k] for k in xs], spec.jacobian_norm, spec.probes, generator
+            )
+            jacobian = {k: e.to_json() for k, e in zip(xs, estimates, strict=True)}
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+    order = [k for k in recorder.order if split_key(k)[0] in set(activations)]
+    order += [GRAD_PREFIX + k for k in sink.written]
+    order += [GRAD_PREFIX + k for k in sink.grad_aliases if k not in sink.no_path]
+    order += [GRAD_PREFIX + k for k in param_keys]
+    meta = {
+        "target": target_key,
+        "loss": None if spec.target else spec.loss,
+        **({"loss_info": loss_info} if loss_info else {}),
+        "grad_output": spec.grad_output if y.dim() else "scalar",
+        "seed": seed,
+        "wrt": list(spec.wrt),
+        "keys": [*sink.candidates, *param_keys],
+        "params": param_keys,
+        "no_path": sink.no_path,
+        "vanishing": spec.vanishing,
+        "exploding": spec.exploding,
+        **({"jacobian": jacobian} if jacobian else {}),
+    }
+    return GradRun(meta, order, recorder.skipped, recorder.skipped_none)
+
+
+def _forward(
+    model: nn.Module,
+    args: Any,
+    kwargs: dict[str, Any],
+    sink: _GradSink,
+    hooked: set[str],
+    wrt_modules: Sequence[str],
+    by_name: dict[str, nn.Module],
+    train_mode: bool,
+    seed: int,
+) -> tuple[Any, Any, list[torch.Tensor]]:
+    """The forward with grad enabled and the modules hooked: (output, recorder, new leaves)."""
+    import torch
+
+    from modeltap.capture import hooks, run_model
+
+    leaves: list[torch.Tensor] = []
+
+    def start_path(name: str, output: Any) -> Any:
+        # A frozen module's output is not in the graph: make it a leaf so gradients can reach it.
+        if (
+            name in wrt_modules
+            and isinstance(output, torch.Tensor)
+            and output.is_floating_point()
+            and not output.requires_grad
+        ):
+            leaf = output.detach().requires_grad_()
+            leaves.append(leaf)
+            return leaf
+        return None
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        position = {name: i for i, name in enumerate(by_name)}
+        names = sorted(hooked, key=position.__getitem__)
+        with (
+            hooks(model, names, sink, train_mode=train_mode, replace=start_path) as recorder,
+            torch.enable_grad(),
+        ):
+            output = run_model(model, args, kwargs)
+    return output, recorder, leaves
+
+
+def _target(
+    spec: GradSpec,
+    sink: _GradSink,
+    output: Any,
+    recorder: Any,
+    model: nn.Module,
+    kwargs: dict[str, Any],
+    labels: Any,
+    loss_info: dict[str, Any],
+) -> tuple[torch.Tensor, str]:
+    """(y, its key): the target output, or the whole model's loss; checked to take gradients.
+    A loss adds what it knows of itself to `loss_info`."""
+    y, target_key = _pick_target(spec, sink, output, recorder, model)
+    if spec.target is None and spec.loss == "lm":
+        y, info = lm_loss(output, kwargs)
+        loss_info.update(info)
+        target_key = "loss:lm"
+    elif spec.target is None and spec.loss == "mlm":
+        y = mlm_loss(output, labels)
+        loss_info["value"] = float(y.detach())
+        target_key = "loss:mlm"
+    if not y.is_floating_point():
+        raise InputError(
+            f"the target '{target_key}' is {str(y.dtype).removeprefix('torch.')}, not float; "
+            "pick a float output (e.g. a hidden state or logits)"
+        )
+    if not y.requires_grad:
+        raise InputError(
+            f"no gradient path: '{target_key}' does not depend on anything that takes "
+            "gradients; pick a later --target, or --wrt modules upstream of it"
+        )
+    return y, target_key
+
+
+def _backward(
+    model: nn.Module,
+    y: torch.Tensor,
+    v: torch.Tensor,
+    spec: GradSpec,
+    sink: _GradSink,
+    wrt: list[torch.Tensor],
+    train_mode: bool,
+) -> Sequence[Any]:
+    """One backward from y (seeded with v); the hooks stream what they see. Returns the
+    gradients of `wrt` (parameters, then new leaves), or nothing when parameters are not asked."""
+    import torch
+
+    from modeltap.capture.eager import backward_error, model_mode
+
+    try:
+        with model_mode(model, train_mode):
+            if not spec.params and sink.edges:
+                # Only down to the hooked tensors: the same hooks fire, no weight gradient is
+                # computed, and nothing is held but what the hooks stream away.
+                torch.autograd.backward(
+                    y, v, retain_graph=spec.jacobian_norm > 0, inputs=list(sink.edges)
+                )
+                return ()
+            return torch.autograd.grad(
+                y,
+                wrt,
+                grad_outputs=v,
+                allow_unused=True,
+                retain_graph=spec.jacobian_norm > 0,
+            )
+    except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as exc:
+        raise backward_error(model, exc, train_mode=train_mode) from exc
+    finally:
+        sink.live = False
+
+
+def _collect(
+    writer: DumpWriter,
+    sink: _GradSink,
+    target_key: str,
+    spec: GradSpec,
+    modules: Sequence[str],
+    by_name: dict[str, nn.Module],
+    params: list[tuple[str, torch.nn.Parameter]],
+    results: Sequence[Any],
+) -> list[str]:
+    """After the backward: what had no path, the aliases' gradients, and the selected modules'
+    parameter gradients written; returns those parameters' names."""
+    reached = set(sink.written)
+    for key in sink.hooked:
+        if key not in reached:
+            sink.no_path[key] = "no path"
+    for key, stored in sink.grad_aliases.items():
+        if stored in reached:
+            writer.alias(GRAD_PREFIX + key, GRAD_PREFIX + stored)
+        else:
+            sink.no_path[key] = sink.no_path.get(stored, "no path")
+    if not reached - {target_key}:
+        raise InputError(
+            f"no gradient path from '{target_key}' to any selected module; select modules "
+            "upstream of it (--wrt, --include, --depth)"
+        )
+    param_keys: list[str] = []
+    if spec.params:
+        selected_ids = {id(p) for name in modules for p in by_name[name].parameters()}
+        for (name, p), g in zip(params, results, strict=False):
+            if id(p) not in selected_ids:
+                continue
+            if g is None:
+                sink.no_path[name] = "no path"
+            else:
+                writer.tensor(GRAD_PREFIX + name, g, count_zeros=True)
+                param_keys.append(name)
+    return param_keys
+
+
+def _input_leaf(name: str, value: Any, sink: _GradSink) -> torch.Tensor:
+    """A float input of forward (`pixel_values`, `input_features`) as a leaf whose gradient is
+    stored as `grad/inputs/NAME`: the gradient w.r.t. the processor's output (saliency)."""
+    from modeltap.dump.format import INPUTS_PREFIX
+
+    if not value.is_floating_point():
+        raise InputError(
+            f"--wrt {name}: {str(value.dtype).removeprefix('torch.')} inputs take no gradient; "
+            "ask for the embeddings module's output instead (e.g. --wrt embeddings)"
+        )
+    import torch
+
+    leaf = value.detach().clone().requires_grad_()
+    key = INPUTS_PREFIX + name
+    sink.candidates.append(key)
+    leaf.register_hook(sink._writer_hook(key))
+    sink.edges.append(torch.autograd.graph.get_gradient_edge(leaf))
+    sink.hooked[key] = leaf if sink.keep else None  # type: ignore[assignment]
+    return leaf
+
+
+
+def _wrt_sets(
+    wrt: Sequence[str],
+    modules: Sequence[str],
+    by_name: dict[str, Any],
+    *,
+    only_inputs: bool = False,
+) -> tuple[set[str], set[str]]:
+    """(modules to hook for gradients, exact keys asked for, empty when whole modules);
+    `only_inputs`: --wrt named inputs of forward alone, so no module gets gradients."""
+    if not wrt:
+        return (set(), set()) if only_inputs else (set(modules), set())
+    names, keys = set(), set()
+    for item in wrt:
+        module = split_key(item)[0]
+        if module not in by_name:
+            raise SelectionError("--wrt: " + unknown_name_message(module, by_name))
+        names.add(module)
+        keys.add(item)
+    return names, keys
+
+
+
+def _key_matches(key: str, asked: set[str]) -> bool:
+    """A whole-module name asks for all its keys; `module:part` or `module@N` for that one."""
+    module = split_key(key)[0]
+    return key in asked or module in asked
+
+
+
+def _pick_target(
+    spec: GradSpec, sink: _GradSink, output: Any, recorder: Any, model: nn.Module
+) -> tuple[torch.Tensor, str]:
+    """The target tensor and its key; for a whole-model loss, the model's main output."""
+    import torch
+
+    if spec.target is None:
+        leaves = [(p, t) for p, t in flatten(output) if isinstance(t, torch.Tensor)]
+        if not leaves:
+            raise InputError(f"{type(model).__name__} returned no tensor to take gradients of")
+        path, y = leaves[0]
+        return y, make_key(ROOT, 0, path)
+    if sink.y is not None:
+        return sink.y, spec.target
+    module = split_key(spec.target)[0]
+    parts = [k for k in recorder.order if split_key(k)[0] == module]
+    if not parts:
+        raise InputError(
+            f"--target '{spec.target}': the module did not run in this forward (or returned no "
+            "tensor); pick one that does (`modeltap dump` shows which ran)"
+        )
+    raise InputError(
+        f"--target '{spec.target}' names no single tensor; pick one of "
+        + ", ".join(parts[:6])
+        + (" ..." if len(parts) > 6 else "")
+    )
+
+
+
+def _params_to_enable(model: nn.Module, modules: Sequence[str]) -> list[torch.nn.Parameter]:
+    """Frozen parameters of the selected modules, to unfreeze for the run (--params)."""
+    by_name = {(n or ROOT): m for n, m in model.named_modules()}
+    seen: dict[int, Any] = {}
+    for name in modules:
+        for p in by_name[name].parameters():
+            if not p.requires_grad and p.is_floating_point():
+                seen[id(p)] = p
+    return list(seen.values())
