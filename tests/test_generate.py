@@ -675,3 +675,37 @@ def test_cli_ctrl_c_mid_generation_leaves_nothing(gpt2_dir: Path, monkeypatch) -
     result = runner.invoke(app, ["generate", str(gpt2_dir), PROMPT, "-o", "g.safetensors"])
     assert result.exit_code == 130 and "nothing was written" in result.output
     assert list(Path().iterdir()) == []
+
+
+def test_sampling_options_without_generate_are_refused(gpt2_dir: Path) -> None:
+    args = ["compare", str(gpt2_dir), PROMPT, "--against", "bf16", "--do-sample"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert result.output.strip() == (
+        "error: --do-sample can't apply without --generate; add --generate N or drop --do-sample"
+    )
+
+
+def test_compare_generate_judges_steps_with_the_accumulated_allowance(
+    gpt2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step's outputs are cumulative errors: compare --generate widens the preset for
+    accumulated rounding as compare does (the fp32 preset's accumulated_scaled_atol)."""
+    from modeltap import generation_diff
+    from modeltap.config import read_preset
+
+    seen = {}
+
+    original = generation_diff.diff_generations
+
+    def spy(*args, **kwargs):
+        seen["tolerance"] = kwargs["tolerance"]
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(generation_diff, "diff_generations", spy)  # imported where it is used
+    result = runner.invoke(
+        app, ["compare", str(gpt2_dir), PROMPT, "--generate", "3", "--against", "attn:eager"]
+    )
+    assert result.exit_code == 0, result.output
+    allowance = read_preset("fp32")["accumulated_scaled_atol"]
+    assert seen["tolerance"].scaled_atol == allowance > 0

@@ -221,9 +221,10 @@ def test_grad_scaler_skipped_step_is_reported_and_grads_unscaled(tmp_path: Path)
 
 
 def test_lightning_callback_steps_equal_global_step(tmp_path: Path) -> None:
-    pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
     if os.environ.get("CI"):
-        assert pl is not None  # setup installs the extra in CI: never skipped there
+        import lightning.pytorch as pl  # setup installs the extra: in CI this never skips
+    else:
+        pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
 
     from modeltap.integrations.lightning import ModeltapCallback
 
@@ -563,3 +564,16 @@ def test_run_diff_names_the_step_and_layer_where_two_runs_part(
     assert result.exit_code == 0 and json.loads(result.stdout)["passed"] is True
     result = CliRunner().invoke(app, ["diff", str(tmp_path / "c"), str(tmp_path / "a") + "/x"])
     assert result.exit_code == 2
+
+
+def test_run_diff_refuses_what_applies_to_dumps_only(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from modeltap.cli import app
+
+    _run_with_fault(tmp_path / "a", None)
+    args = ["diff", str(tmp_path / "a"), str(tmp_path / "a")]
+    result = CliRunner().invoke(app, [*args, "--junit", str(tmp_path / "r.xml"), "--strict"])
+    assert result.exit_code == 2
+    assert "--junit and --strict can't apply to run folders" in result.output
+    assert not (tmp_path / "r.xml").exists()

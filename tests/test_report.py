@@ -477,3 +477,17 @@ def test_writer_histograms_on_every_path(tmp_path, device) -> None:
     dump = load_dump(path)
     for key, value in tensors.items():
         assert dump.stats_for(key).hist == reference_hist(value), key
+
+
+def test_report_of_a_bf16_pair_reads_the_preset_as_diff_does(tmp_path, bert_dir) -> None:
+    """`report A B --preset bf16` upcasts as `diff A B --preset bf16` does (one set-up)."""
+    assert invoke("dump", bert_dir, "hello", "-o", "f32.st").exit_code == 0
+    assert invoke("dump", bert_dir, "hello", "--dtype", "bfloat16", "-o", "b16.st").exit_code == 0
+    assert invoke("diff", "b16.st", "f32.st", "--preset", "bf16").exit_code == 0
+    result = invoke("report", "b16.st", "f32.st", "--preset", "bf16", "-o", "d.html")
+    assert result.exit_code == 0, result.output
+    page = (tmp_path / "d.html").read_text()
+    pairs = runner.invoke(app, ["diff", "b16.st", "f32.st", "--preset", "bf16", "--json"])
+    compared = len(json.loads(pairs.stdout)["pairs"])
+    # compared as values, as diff does: no pair out of tolerance (as another dtype, all were)
+    assert f"<dd>{compared} pairs, 0 out of tolerance" in page

@@ -321,6 +321,11 @@ def _presets(cwd: Path | None) -> tuple[dict[str, Any], str]:
     return tomllib.loads(shipped.read_text(encoding="utf-8")), f"modeltap's own {TOLERANCE_FILE}"
 
 
+def preset_names(cwd: Path | None = None) -> list[str]:
+    """The names of the tolerance presets in force (a user's tolerances.toml, else modeltap's)."""
+    return list(_presets(cwd)[0])
+
+
 def read_preset(name: str, cwd: Path | None = None) -> dict[str, Any]:
     """Every value of preset `name`: its tolerances and, if it says so, `upcast`."""
     presets, where = _presets(cwd)

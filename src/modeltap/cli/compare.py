@@ -8,7 +8,16 @@ from typing import Annotated, Any
 
 import typer
 
-from modeltap.cli.app import app, handle_errors, settings, stderr, stdout, write_atomically
+from modeltap.cli.app import (
+    app,
+    given,
+    handle_errors,
+    refuse,
+    settings,
+    stderr,
+    stdout,
+    write_atomically,
+)
 from modeltap.cli.options import (
     KEYS,
     OUTPUT,
@@ -51,7 +60,8 @@ ModelArg = Annotated[
 PresetOpt = Annotated[
     str | None,
     typer.Option(
-        help="Tolerances from configs/tolerances.toml [default: bf16 or fp16 for those "
+        help="Tolerance preset (modeltap's own, or a configs/tolerances.toml of yours) "
+        "[default: bf16 or fp16 for those "
         "variants, cross-device for cuda, compile for compile, else fp32].",
         metavar="NAME",
         rich_help_panel=TOL,
@@ -77,9 +87,9 @@ MapOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--map",
-        help="Rename the candidate's module names to MODEL's: OLD=NEW globs ('bert.*=*'); "
-        "repeatable.",
-        metavar="OLD=NEW",
+        help="Rename the candidate's module names to MODEL's: OLD=NEW globs ('bert.*=*'), or a "
+        "TOML/JSON file of [keys] and [modules] renames; repeatable.",
+        metavar="OLD=NEW|FILE",
         rich_help_panel=KEYS,
     ),
 ]
@@ -206,6 +216,12 @@ def compare_command(
         do_sample=do_sample,
     )
     _split_positionals(s, list(rest or []))
+    if generate is None:
+        refuse(
+            given(do_sample=do_sample),
+            "can't apply without --generate",
+            "add --generate N or drop {flags}",
+        )
     variant = parse_against(s.against)
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
@@ -216,10 +232,10 @@ def compare_command(
         raise InputError("--stats-only applies to the dumps --out-dir keeps; give --out-dir DIR")
     if s.candidate is None and s.against is None:
         raise InputError("nothing to compare with; give a CANDIDATE model or --against bf16, ...")
-    given = s.texts or s.images or s.audio
-    if given and s.input_file:
+    run_on = s.texts or s.images or s.audio
+    if run_on and s.input_file:
         raise InputError("give TEXT or FILEs, or --input-file, not both")
-    if not given and not s.input_file:
+    if not run_on and not s.input_file:
         if s.against is None:
             raise InputError(
                 f"nothing to run on, or nothing to compare with: '{s.candidate}' was taken for "
@@ -252,7 +268,7 @@ def compare_command(
         from modeltap.cli.generate import run_compare_generate
 
         passed = run_compare_generate(
-            s, variant, options.tolerance, options.overrides, work, seed_given=seed is not None,
+            s, variant, options, work, seed_given=seed is not None,
             class_given=model_class is not None, json_out=json_out, show_all=show_all,
             refused={
                 "--junit": junit, "--html": html, "--stats-only": s.stats_only,
@@ -415,14 +431,11 @@ def _run(s: Settings, variant: Any, options: Any, work: Path | None) -> Any:
 
 
 def _default_preset(name: str) -> str:
-    """`name`, or fp32 when configs/tolerances.toml has no such preset."""
-    from modeltap.config import tolerance_preset
+    """`name`, or fp32 when the tolerance presets have no such preset (a user's own
+    tolerances.toml may leave it out); a preset that is there but wrong is an error."""
+    from modeltap.config import preset_names
 
-    try:
-        tolerance_preset(name)
-    except InputError:
-        return "fp32"
-    return name
+    return name if name in preset_names() else "fp32"
 
 
 def _no_cache(model: Any, inputs: Any, use_cache: bool) -> Any:

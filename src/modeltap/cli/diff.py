@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from modeltap.cli.app import app, handle_errors, settings, stdout, write_atomically
+from modeltap.cli.app import (
+    app,
+    given,
+    handle_errors,
+    refuse,
+    settings,
+    stdout,
+    write_atomically,
+)
 from modeltap.cli.options import (
     KEYS,
     OUTPUT,
-    TOL,
     AtolOpt,
     ConfigOpt,
     EqualNanOpt,
@@ -23,7 +30,9 @@ from modeltap.cli.options import (
     MapOpt,
     PresetOpt,
     RtolOpt,
+    UpcastOpt,
 )
+from modeltap.config import Settings
 
 
 @app.command("diff")
@@ -48,15 +57,7 @@ def diff_command(
     ] = None,
     exclude: ExcludeOpt = None,
     equal_nan: EqualNanOpt = None,
-    upcast: Annotated[
-        bool | None,
-        typer.Option(
-            "--upcast/--no-upcast",
-            help="Compare tensors of different dtypes, in float32 when both fit, else float64 "
-            "[default: off; on with a preset that says upcast, as bf16 and fp16].",
-            rich_help_panel=TOL,
-        ),
-    ] = None,
+    upcast: UpcastOpt = None,
     strict: Annotated[
         bool | None,
         typer.Option(
@@ -73,16 +74,21 @@ def diff_command(
 ) -> None:
     """Compare two dumps, or two run folders of modeltap.record step by step; exit 0 when every
     tensor is within tolerance, 1 when not."""
-    from modeltap.config import read_preset, tolerance_values
     from modeltap.diff import Tolerance, diff_dumps, junit_xml
     from modeltap.dump import check_writable
 
     if a.is_dir() or b.is_dir():
+        refuse(
+            given(junit=junit, html=html, strict=strict, upcast=upcast, equal_nan=equal_nan)
+            + given(map=map_ or None, include=include or None, exclude=exclude or None),
+            "can't apply to run folders (their steps are compared by statistics first)",
+        )
         return _diff_runs(a, b, atol, rtol, preset, config, show_all, json_out)
 
-    s = settings(
-        "diff",
+    s, values = diff_settings(
         config,
+        atol=atol,
+        rtol=rtol,
         preset=preset,
         map=map_ or [],
         include=include or [],
@@ -91,9 +97,6 @@ def diff_command(
         upcast=upcast,
         strict=strict,
     )
-    values = tolerance_values(s, atol=atol, rtol=rtol, preset=s.preset)
-    if upcast is None and s.preset and read_preset(s.preset).get("upcast"):
-        s.upcast = True  # a preset made for comparing across dtypes; --no-upcast still wins
     if junit is not None:
         check_writable(junit, "--junit")
     if html is not None:
@@ -154,15 +157,13 @@ def _diff_runs(
     show_all: bool,
     json_out: bool,
 ) -> None:
-    from modeltap.config import tolerance_values
     from modeltap.diff import Tolerance
     from modeltap.errors import InputError
     from modeltap.record.rundiff import diff_runs
 
     if not (a.is_dir() and b.is_dir()):
         raise InputError("give two run folders (or two dump files), not one of each")
-    s = settings("diff", config, preset=preset)
-    values = tolerance_values(s, atol=atol, rtol=rtol, preset=s.preset)
+    _, values = diff_settings(config, atol=atol, rtol=rtol, preset=preset)
     report = diff_runs(a, b, tolerance=Tolerance(**values))
     if json_out:
         print(json.dumps(report.to_json(), indent=1))
@@ -171,3 +172,18 @@ def _diff_runs(
 
         stdout().print(run_diff_text(report, show_all=show_all))
     raise typer.Exit(0 if report.passed else 1)
+
+
+def diff_settings(
+    config: Path | None, *, atol: float | None, rtol: float | None, **flags: Any
+) -> tuple[Settings, dict[str, float]]:
+    """diff's settings (flags < config files) and tolerance values (preset < settings < flags),
+    as `diff`, `report A B` and run diffs all read them: a preset made for comparing dtypes
+    (`upcast = true`: bf16, fp16) turns --upcast on unless --no-upcast was given."""
+    from modeltap.config import read_preset, tolerance_values
+
+    s = settings("diff", config, **flags)
+    values = tolerance_values(s, atol=atol, rtol=rtol, preset=s.preset)
+    if flags.get("upcast") is None and s.preset and read_preset(s.preset).get("upcast"):
+        s.upcast = True
+    return s, values

@@ -317,8 +317,7 @@ def print_generation_diff(
 def run_compare_generate(
     s: Settings,
     variant: Any,
-    tolerance: Any,
-    overrides: Any,
+    options: Any,
     work: Path | None,
     *,
     seed_given: bool,
@@ -327,7 +326,9 @@ def run_compare_generate(
     show_all: bool,
     refused: dict[str, Any],
 ) -> bool:
-    """`compare --generate N`: load, run `compare_generation`, print; True when it passed."""
+    """`compare --generate N`: load, run `compare_generation`, print; True when it passed.
+    `options` are compare's (tolerance, overrides, the accumulated-rounding allowance...)."""
+    import dataclasses
     import json
     import tempfile
 
@@ -336,13 +337,17 @@ def run_compare_generate(
     from modeltap.cli.app import stdout, write_atomically
     from modeltap.compare import make_candidate
     from modeltap.compare.generate import compare_generation
-    from modeltap.compare.replay import Options
     from modeltap.compare.variants import compute_dtype, model_device
     from modeltap.generate import prompt_inputs
     from modeltap.loading import load_model
     from modeltap.selection import Selection
 
-    refused = {**refused, "--input-file": s.input_file, "--train-mode": s.train_mode}
+    refused = {
+        **refused,
+        "--input-file": s.input_file,
+        "--train-mode": s.train_mode,
+        "an image or audio FILE": s.images or s.audio,
+    }
     given = [flag for flag, value in refused.items() if value]
     if given:
         raise InputError(f"{given[0]} is for one-forward comparisons; drop it with --generate")
@@ -370,13 +375,14 @@ def run_compare_generate(
                 device=s.device,
                 trust_remote_code=s.trust_remote_code,
             )
+            from modeltap.compare.variants import check_same_architecture
+
+            check_same_architecture(loaded.model, other.model, s.map, (s.model, s.candidate))
             base = other.model
         candidate = make_candidate(base, variant, shared=s.candidate is None)
     inputs = prompt_inputs(loaded.model, tok, s.texts, chat=s.chat)
     inputs = inputs.to(loaded.device, getattr(torch, loaded.dtype))
-    options = Options(
-        tolerance=tolerance, overrides=overrides, rename=s.map, equal_nan=s.equal_nan, seed=s.seed
-    )
+    options = dataclasses.replace(options, rename=s.map)
     with tempfile.TemporaryDirectory(prefix="modeltap-compare-") as tmp:
         with err.status(f"generating with {loaded.model_class} and {variant.label}"):
             result = compare_generation(

@@ -376,6 +376,15 @@ MapOpt = Annotated[
         rich_help_panel=KEYS,
     ),
 ]
+UpcastOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--upcast/--no-upcast",
+        help="Compare tensors of different dtypes, in float32 when both fit, else float64 "
+        "[default: off; on with a preset that says upcast, as bf16 and fp16].",
+        rich_help_panel=TOL,
+    ),
+]
 EqualNanOpt = Annotated[
     bool | None,
     typer.Option(

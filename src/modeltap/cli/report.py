@@ -9,11 +9,10 @@ from typing import Annotated, Any
 
 import typer
 
-from modeltap.cli.app import app, handle_errors, settings, stderr
+from modeltap.cli.app import app, handle_errors, stderr
 from modeltap.cli.options import (
     KEYS,
     OUTPUT,
-    TOL,
     AtolOpt,
     ConfigOpt,
     EqualNanOpt,
@@ -21,6 +20,7 @@ from modeltap.cli.options import (
     MapOpt,
     PresetOpt,
     RtolOpt,
+    UpcastOpt,
 )
 from modeltap.errors import InputError
 
@@ -83,14 +83,7 @@ def report_command(
     ] = None,
     exclude: ExcludeOpt = None,
     equal_nan: EqualNanOpt = None,
-    upcast: Annotated[
-        bool | None,
-        typer.Option(
-            "--upcast/--no-upcast",
-            help="Compare tensors of different dtypes, in float32 when both fit, else float64.",
-            rich_help_panel=TOL,
-        ),
-    ] = None,
+    upcast: UpcastOpt = None,
     strict: Annotated[
         bool | None,
         typer.Option(
@@ -146,13 +139,11 @@ def report_command(
 
 
 def _diff_page(a: Path, b: Path, command: str, *, config: Path | None, **flags: Any) -> Any:
-    from modeltap.config import tolerance_values
+    from modeltap.cli.diff import diff_settings
     from modeltap.diff import Tolerance, diff_dumps
     from modeltap.render.report import diff_page
 
-    atol, rtol = flags.pop("atol"), flags.pop("rtol")
-    s = settings("diff", config, **flags)
-    values = tolerance_values(s, atol=atol, rtol=rtol, preset=s.preset)
+    s, values = diff_settings(config, **flags)
     overrides = [(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()]
     report = diff_dumps(
         a,

@@ -156,8 +156,10 @@ def compare_generation(
     steps = diff_generations(
         work / CANDIDATE_FILE,
         work / REFERENCE_FILE,
-        tolerance=options.tolerance,
-        overrides=options.overrides,
+        # Every step's outputs carry the error of everything before them: cumulative errors,
+        # judged as compare judges them, with the preset widened for accumulated rounding.
+        tolerance=options.accumulated(options.tolerance),
+        overrides=[(glob, options.accumulated(tol)) for glob, tol in options.overrides],
         equal_nan=options.equal_nan,
         upcast=True,  # a bfloat16 candidate against a float32 reference, as compare does
     )

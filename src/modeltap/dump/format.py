@@ -15,12 +15,7 @@ import json
 import math
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-
-    pass
-
+from typing import Any
 
 FORMAT = "modeltap"
 FORMAT_VERSION = 1

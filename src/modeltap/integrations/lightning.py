@@ -23,16 +23,15 @@ except ImportError:  # the older package name
             "modeltap.integrations.lightning needs Lightning: pip install 'modeltap[lightning]'"
         ) from exc
 
-from modeltap.record import Recording, record
+from modeltap.integrations import check_options, start_recording
+from modeltap.record import Recording
 
 
 class ModeltapCallback(Callback):
     """Records the LightningModule's training steps; keyword options are `modeltap.record`'s."""
 
     def __init__(self, out_dir: str | os.PathLike[str], *, every: int = 100, **options: Any):
-        for name in ("start_step", "scaler"):
-            if name in options:
-                raise ValueError(f"ModeltapCallback sets {name} from the Trainer; leave it out")
+        check_options(options)
         self.out_dir = out_dir
         self.every = every
         self.options = options
@@ -40,20 +39,16 @@ class ModeltapCallback(Callback):
         self._seen_step = 0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        options = dict(self.options)
-        if trainer.global_step > 0:
-            options.setdefault("resume", True)
         precision = getattr(trainer, "precision_plugin", None)
         self._seen_step = trainer.global_step
-        self.recording = record(
+        self.recording = start_recording(
             pl_module,
             self.out_dir,
             every=self.every,
-            start_step=trainer.global_step + 1,
+            global_step=trainer.global_step,
             scaler=getattr(precision, "scaler", None),
-            **options,
+            options=self.options,
         )
-        self.recording.__enter__()
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int

@@ -6,6 +6,9 @@ parameter gradients are read just before the optimizer steps, after the Trainer'
 clipping and the GradScaler's unscaling: what the optimizer sees. Evaluation forwards (the Trainer's
 `evaluate`, in eval mode under no_grad) are never mixed into a step; `eval=True` writes them to
 `eval{N:06d}` files, N the global_step they followed.
+
+transformers' callbacks hear of no exception: when `train()` raises, the hooks stay on the model
+until `callback.close()` or the next `train()`, which closes the old recording first.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from modeltap.record import Recording, record
+from modeltap.integrations import check_options, start_recording
+from modeltap.record import Recording
 
 
 class ModeltapCallback(TrainerCallback):
@@ -23,9 +27,7 @@ class ModeltapCallback(TrainerCallback):
     options are `modeltap.record`'s (grads, params, full_every, include, depth, eval...)."""
 
     def __init__(self, out_dir: str | os.PathLike[str], *, every: int = 100, **options: Any):
-        for name in ("start_step", "scaler"):
-            if name in options:
-                raise ValueError(f"ModeltapCallback sets {name} from the Trainer; leave it out")
+        check_options(options)
         self.out_dir = out_dir
         self.every = every
         self.options = options
@@ -35,26 +37,28 @@ class ModeltapCallback(TrainerCallback):
         model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
         if model is None:
             raise ValueError("ModeltapCallback got no model from the Trainer; pass it to Trainer")
-        options = dict(self.options)
-        # A resumed Trainer starts at its checkpoint's step: continue the run there.
-        if state.global_step > 0:
-            options.setdefault("resume", True)
-        self.recording = record(
+        self.close(finished=False)  # a train() that raised left its recording open
+        self.recording = start_recording(
             model,
             self.out_dir,
             every=self.every,
-            start_step=state.global_step + 1,
+            global_step=state.global_step,
             # accelerate's optimizer wrapper holds the GradScaler of fp16 training.
             scaler=getattr(optimizer, "scaler", None),
-            **options,
+            options=self.options,
         )
-        self.recording.__enter__()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.recording is not None:
             self.recording.step()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.close()
+
+    def close(self, *, finished: bool = True) -> None:
+        """End the recording: hooks off, and the last step written when `finished` (a run that
+        raised leaves no half step); nothing if none is open."""
         recording, self.recording = self.recording, None
         if recording is not None:
-            recording.__exit__(None, None, None)
+            failed = None if finished else RuntimeError
+            recording.__exit__(failed, None, None)
