@@ -14,8 +14,8 @@ turn (plain, off, tripwire, recorded, ...) on the same model and optimizer; medi
   tripwire         inside record(every=100), the default tripwire, a step that is not recorded
   recorded         inside record(every=100), a recorded stats-only step (activations, gradients
                    of every module output, parameter gradients, update ratios, rules; file written)
-  flight           inside record(every=100, on_nonfinite="dump"): the flight recorder armed (RNG
-                   states kept at every hooked call), a step that is not recorded
+  flight           inside record(every=100, flight=True): the flight recorder armed (RNG states
+                   kept at every hooked call, the tripwire on), a step that is not recorded
   flight-recorded  the same, a recorded step
 
 Figures and targets:
@@ -78,8 +78,8 @@ def timed(kind: str, model, batch, opt, out: Path) -> float:
         "off": {"on_nonfinite": "off", "start_step": 1},
         "tripwire": {"start_step": 1},
         "recorded": {"start_step": 0},
-        "flight": {"on_nonfinite": "dump", "start_step": 1},
-        "flight-recorded": {"on_nonfinite": "dump", "start_step": 0},
+        "flight": {"flight": True, "start_step": 1},
+        "flight-recorded": {"flight": True, "start_step": 0},
     }[kind]
     with modeltap.record(model, out / kind, every=100, overwrite=True, **options) as rec:
         start = time.perf_counter()

@@ -170,16 +170,19 @@ def test_eval_forward_inside_a_step_is_not_recorded(tmp_path: Path) -> None:
     assert not list((tmp_path / "run").glob("eval*"))
 
 
-def test_grad_scaler_skipped_step_is_reported_and_grads_unscaled(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_grad_scaler_skipped_step_is_reported_and_grads_unscaled(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
     import modeltap
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    # A scale so large that the first backward overflows float32: the scaler skips that step,
-    # lowers its scale, and the next ones go through.
+    # A scale so large that the first backward overflows: the scaler skips that step, lowers
+    # its scale to 256 (not 1, so unscaling shows), and the next ones go through.
     scaler = torch.amp.GradScaler(
-        "cpu", init_scale=2.0**126, backoff_factor=2.0**-100, growth_interval=1000
+        "cpu", init_scale=2.0**126, backoff_factor=2.0**-118, growth_interval=1000
     )
     x = torch.randn(5, 4)
     unscaled: dict[int, dict[str, torch.Tensor]] = {}
@@ -187,11 +190,12 @@ def test_grad_scaler_skipped_step_is_reported_and_grads_unscaled(tmp_path: Path)
     stepped = []
     with modeltap.record(model, tmp_path / "run", every=1, scaler=scaler, stats_only=False) as rec:
         for step in range(4):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=dtype):
                 y = model(x)
             y.register_hook(lambda g, s=step: output_grads.__setitem__(s, g.detach().clone()))
             scale = scaler.get_scale()
-            scaler.scale(y.float().square().sum() * 100).backward()
+            loss = y.float().square().sum() * (100 if step == 0 else 1)  # step 0 overflows
+            scaler.scale(loss).backward()
             scaler.unscale_(opt)
             unscaled[step] = {n: p.grad.clone() for n, p in model.named_parameters()}
             before = model[0].weight.detach().clone()
@@ -202,10 +206,10 @@ def test_grad_scaler_skipped_step_is_reported_and_grads_unscaled(tmp_path: Path)
             opt.zero_grad()
             rec.step()
     assert stepped[0] is False and all(stepped[1:])  # the scaler skipped step 0 only
+    assert scaler.get_scale() == 256.0
     # The autocast forward is recorded in the dtype it ran in.
-    assert load_dump(tmp_path / "run" / "step000001.rank0.safetensors").stats_for("0").dtype == (
-        "bfloat16"
-    )
+    dump = load_dump(tmp_path / "run" / "step000001.rank0.safetensors")
+    assert dump.stats_for("0").dtype == str(dtype).removeprefix("torch.")
     assert rec.skipped == [0]
     index = read_run(tmp_path / "run").ranks[0]
     assert index.skipped == [0]
@@ -452,7 +456,7 @@ def make():
 '''
 
 
-def tripped_run(folder: Path, run: str = "run"):  # noqa: ANN201 - the factory's module
+def tripped_run(folder: Path, run: str = "run", **options: object):  # noqa: ANN201
     """Write tripmodel.py into `folder` and train its model there until a weight made inf at
     step 7 trips, recording into `folder/run` with on_nonfinite="dump". Also the README's
     replay example (scripts/readme_examples.py). Returns (the module, the NonFiniteError)."""
@@ -469,7 +473,8 @@ def tripped_run(folder: Path, run: str = "run"):  # noqa: ANN201 - the factory's
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(0)
     try:
-        with modeltap.record(model, folder / run, every=5, on_nonfinite="dump") as rec:
+        options = options or {"on_nonfinite": "dump"}
+        with modeltap.record(model, folder / run, every=5, **options) as rec:
             for step in range(10):
                 if step == 7:
                     with torch.no_grad():
@@ -483,11 +488,12 @@ def tripped_run(folder: Path, run: str = "run"):  # noqa: ANN201 - the factory's
     raise AssertionError("the inf weight did not trip")
 
 
-def test_replay_reproduces_a_nan_from_the_step_file_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("armed", [{"on_nonfinite": "dump"}, {"flight": True}])
+def test_replay_reproduces_a_nan_from_the_step_file_alone(tmp_path: Path, armed: dict) -> None:
     import subprocess
     import sys
 
-    tripmodel, error = tripped_run(tmp_path)
+    tripmodel, error = tripped_run(tmp_path, **armed)
     assert error.trip.step == 7 and error.trip.module == "2"
     dump = load_dump(tmp_path / "run" / "step000007.rank0.safetensors")
     flight = json.loads(dump.metadata["flight"])

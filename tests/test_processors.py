@@ -621,7 +621,7 @@ def test_images_dir_is_one_batch_by_name_with_a_limit(tmp_path):
         write_image(photos / f"{i}.png", w, h, seed=i)
     (photos / "README.txt").write_text("not a picture")
     out = tmp_path / "dir.safetensors"
-    args = [str(folder), "--images-dir", str(photos), "--limit", "2", *CLASSIFIER]
+    args = [str(folder), "--images-dir", str(photos), "--batch", "2", *CLASSIFIER]
     code, output = dump(*args, "-o", str(out))
     assert code == 0, output
     images = [Image.open(photos / f"{i}.png").convert("RGB") for i in (0, 1)]
@@ -639,7 +639,8 @@ def test_folder_with_no_usable_files(tmp_path, vit_folder, no_model_load):
     assert "no image files" in line and "docs" in line
     line = refused(str(vit_folder), "--audio-dir", str(tmp_path / "missing"))
     assert "no folder" in line and "--audio-dir" in line
-    assert "--limit counts the files" in refused(str(vit_folder), "hello", "--limit", "2")
+    assert "--batch/--limit counts the files" in refused(str(vit_folder), "hello", "--limit", "2")
+    assert "--batch/--limit counts the files" in refused(str(vit_folder), "hello", "--batch", "2")
 
 
 def test_inputs_from_builds_forward_kwargs_for_a_script(tmp_path):

@@ -249,7 +249,9 @@ def sorted_inputs(
     from modeltap.loading.processors import Kind, folder_files, sort_inputs
 
     if limit is not None and images_dir is None and audio_dir is None:
-        raise InputError("--limit counts the files of --images-dir or --audio-dir; give one")
+        raise InputError(
+            "--batch/--limit counts the files of --images-dir or --audio-dir; give one"
+        )
     media = sort_inputs(
         positionals or [], images=images or [], audio=audio or [], texts=texts or []
     )

@@ -165,7 +165,9 @@ AudioDirOpt = Annotated[
 LimitOpt = Annotated[
     int | None,
     typer.Option(
-        help="Only the first N files of --images-dir / --audio-dir.",
+        "--batch",
+        "--limit",
+        help="Only the first N files of --images-dir / --audio-dir, by name: the batch they make.",
         min=1,
         rich_help_panel=INPUTS,
         metavar="N",

@@ -94,6 +94,7 @@ class Recording:
         resume: bool = False,
         overwrite: bool = False,
         keep_last: int = 8,
+        flight: bool = False,
     ) -> None:
         if not isinstance(every, int) or every < 1:
             raise InputError(f"every must be a whole number of steps >= 1, got {every!r}")
@@ -120,6 +121,10 @@ class Recording:
         self.full_every = full_every
         self.selection = Selection(depth, tuple(include), tuple(exclude))
         self.on_nonfinite = on_nonfinite
+        if flight and on_nonfinite == "off":
+            raise InputError("flight=True needs the tripwire; drop on_nonfinite='off'")
+        # The flight recorder: a forward trip's file lets `modeltap replay` re-run its module.
+        self.flight = flight or on_nonfinite.startswith("dump")
         self.rules: list[RuleFn] = list(default_rules() if rules is None else rules)
         self.gather = gather
         self.dead_threshold = dead_threshold
@@ -180,7 +185,7 @@ class Recording:
             for name in self._modules:
                 hook = self._forward_hook(name)
                 module = self._by_name[name]
-                if self.on_nonfinite.startswith("dump"):
+                if self.flight:
                     self._handles.append(module.register_forward_pre_hook(self._rng_hook(name)))
                 self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
             # Registered last, so that it runs after the root's own capture hook.
@@ -700,6 +705,7 @@ class Recording:
             "params": self.params,
             "gather": self.gather,
             "on_nonfinite": self.on_nonfinite,
+            "flight": self.flight,
         }
 
     def _common_meta(self) -> dict[str, str]:
@@ -798,7 +804,10 @@ class Recording:
         def fill(writer: DumpWriter, recorder: Recorder) -> None:
             from modeltap.record import flight
 
-            self._dump_forward(recorder, call)
+            if self.on_nonfinite.startswith("dump"):
+                self._dump_forward(recorder, call)
+            else:  # the flight recorder alone: the culprit's output, for replay to compare with
+                recorder.record(call.name, call.output)
             rng = self._rng.get((call.name, call.call))
             self._flight = flight.write(writer, call, rng, trip.key)
 
@@ -845,8 +854,11 @@ class Recording:
         logger.warning("%s", trip.message())
 
     def _trip_dump(self, trip: Trip, fill: Callable[[DumpWriter, Recorder], None]) -> str | None:
-        """With "dump": the step's full tensors, once per run and phase, as that step's file."""
-        if not self.on_nonfinite.startswith("dump") or trip.phase in self._dumped:
+        """With "dump": the step's full tensors, once per run and phase, as that step's file.
+        With only the flight recorder armed (`flight=True`), a forward trip's file holds the
+        culprit's output and its flight record: nothing had to be held for it."""
+        full = self.on_nonfinite.startswith("dump")
+        if not (full or (self.flight and trip.phase == FORWARD)) or trip.phase in self._dumped:
             return None
         self._dumped.add(trip.phase)
         if self._writer is not None:  # the step's own recording gives way to the full dump
@@ -981,6 +993,7 @@ def record(
     resume: bool = False,
     overwrite: bool = False,
     keep_last: int = 8,
+    flight: bool = False,
 ) -> Recording:
     """Record `model` inside a training loop: `with record(model, "runs/x") as rec: ... rec.step()`.
 
@@ -1001,9 +1014,10 @@ def record(
     it skips for inf/NaN gradients is reported as skipped (index, `show`), not as a trip.
     A folder that already holds a run is refused unless `resume=True` (continue after its last
     recorded step, same options) or `overwrite=True` (its files are removed first).
-    With `on_nonfinite="dump"`, a forward trip's file is also a flight record (see
-    `modeltap.record.flight`) that `modeltap replay` re-runs, and it carries the statistics of
-    the last `keep_last` recorded steps as `trend` metadata.
+    With `flight=True` (implied by `on_nonfinite="dump"`), a forward trip writes a flight record
+    (see `modeltap.record.flight`) that `modeltap replay` re-runs, with the statistics of the last
+    `keep_last` recorded steps as `trend` metadata; alone it holds nothing more than the tripwire,
+    while "dump" keeps every tensor of the step for its full dump.
     """
     return Recording(
         model,
@@ -1028,4 +1042,5 @@ def record(
         resume=resume,
         overwrite=overwrite,
         keep_last=keep_last,
+        flight=flight,
     )

@@ -83,7 +83,7 @@ def replay(
         why = (
             "its trip was in the backward; replay re-runs forward trips"
             if trip and json.loads(trip).get("phase") == "backward"
-            else "record with on_nonfinite='dump' (or 'dump-warn') to keep one on a trip"
+            else "record with flight=True (or on_nonfinite='dump') to keep one on a trip"
         )
         raise InputError(f"step {step} of '{run_dir}' has no flight record: {why}")
     flight = json.loads(dump.metadata["flight"])
