@@ -709,3 +709,49 @@ def test_compare_generate_judges_steps_with_the_accumulated_allowance(
     assert result.exit_code == 0, result.output
     allowance = read_preset("fp32")["accumulated_scaled_atol"]
     assert seen["tolerance"].scaled_atol == allowance > 0
+
+
+def test_image_conditioned_generation_equals_generate_on_the_processors_inputs(
+    tmp_path: Path,
+) -> None:
+    """`modeltap generate VLM image.png "text"`: the files and the text through the model's own
+    processor, then generate: tokens and the prefill's values as transformers' own calls give."""
+    from PIL import Image
+    from transformers import LlavaForConditionalGeneration
+
+    from tests.fixtures.media import build_llava, write_image
+
+    folder = tmp_path / "llava"
+    _, processor = build_llava(folder)
+    image = write_image(tmp_path / "cat.png", 24, 20, seed=3)
+    out = tmp_path / "vlm.gen.safetensors"
+    args = ["generate", str(folder), str(image), "<image> describe", "--max-new-tokens", "3"]
+    result = runner.invoke(app, [*args, "-o", str(out), "--full"])
+    assert result.exit_code == 0, result.output
+
+    model = LlavaForConditionalGeneration.from_pretrained(folder).eval()
+    inputs = processor(
+        images=[Image.open(image).convert("RGB")], text=["<image> describe"], return_tensors="pt"
+    )
+    with torch.no_grad():
+        expected = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    meta = json.loads(load_dump(out).metadata["generate"])
+    prompt = inputs["input_ids"].shape[1]
+    assert meta["new_ids"] == expected[:, prompt:].tolist()
+    # the prefill saw the image: the vision tower's output equals a plain forward of it
+    seen = {}
+
+    def keep(module, args, output) -> None:
+        seen.setdefault("vision", output.last_hidden_state)
+
+    hook = model.model.vision_tower.register_forward_hook(keep)
+    with torch.no_grad():
+        model(**inputs)
+    hook.remove()
+    stored = load_dump(out)["gen/step0/model.vision_tower:last_hidden_state"]  # an alias
+    torch.testing.assert_close(stored, seen["vision"], rtol=0, atol=0)
+
+
+def test_processor_without_files_is_refused(gpt2_dir: Path) -> None:
+    result = runner.invoke(app, ["generate", str(gpt2_dir), PROMPT, "--processor", "x"])
+    assert result.exit_code == 2 and "--processor takes image or audio FILEs" in result.output

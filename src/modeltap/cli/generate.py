@@ -24,6 +24,7 @@ from modeltap.cli.options import (
     MaxMemoryOpt,
     MaxNewTokensOpt,
     OffloadFolderOpt,
+    ProcessorOpt,
     PromptChatOpt,
     RevisionOpt,
     SeedOpt,
@@ -50,7 +51,12 @@ def generate(
     ] = None,
     prompt: Annotated[
         list[str] | None,
-        typer.Argument(help="Prompts, generated from as one left-padded batch.", metavar="PROMPT"),
+        typer.Argument(
+            help="Prompts, generated from as one left-padded batch; image or audio files (by "
+            "content) go with them through the model's processor (a vision-language or speech "
+            "model).",
+            metavar="PROMPT|FILE",
+        ),
     ] = None,
     max_new_tokens: MaxNewTokensOpt = None,
     do_sample: DoSampleOpt = None,
@@ -59,6 +65,7 @@ def generate(
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
     chat: PromptChatOpt = None,
+    processor: ProcessorOpt = None,
     depth: DepthOpt = None,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
@@ -121,11 +128,14 @@ def generate(
     max_inflight: MaxInflightOpt = None,
 ) -> None:
     """Generate from a prompt and write every decoding step's module outputs (gen/stepK/...)."""
+    from modeltap.cli.dump import sorted_inputs
+
     s = settings(
         "generate",
         config,
         model=model,
-        texts=prompt or [],
+        **sorted_inputs(prompt, None, None, None),
+        processor=processor,
         max_new_tokens=max_new_tokens,
         do_sample=do_sample,
         seed=seed,
@@ -212,7 +222,12 @@ def load_generator(s: Settings, *, class_given: bool) -> tuple[Any, Any]:
 
 
 def _generative_class(s: Settings) -> str:
-    """AutoModelForSeq2SeqLM for an encoder-decoder, else AutoModelForCausalLM."""
+    """AutoModelForImageTextToText with images, AutoModelForSpeechSeq2Seq with audio,
+    AutoModelForSeq2SeqLM for an encoder-decoder, else AutoModelForCausalLM."""
+    if s.images:
+        return "AutoModelForImageTextToText"
+    if s.audio:
+        return "AutoModelForSpeechSeq2Seq"
     from modeltap.loading import resolve_model
 
     source = resolve_model(
@@ -229,16 +244,21 @@ def _generative_class(s: Settings) -> str:
 def run_generate(s: Settings, *, json_out: bool, class_given: bool) -> None:
     import torch
 
-    from modeltap.cli.dump import _run_metadata
+    from modeltap.cli.dump import _processed_inputs, _run_metadata
     from modeltap.dump import check_writable
     from modeltap.generate import generate_model, prompt_inputs
     from modeltap.selection import Selection
 
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
-    if not s.texts:
+    if not (s.texts or s.images or s.audio):
         raise InputError('no PROMPT given; e.g. modeltap generate gpt2 "The capital of France is"')
     plan = step_plan(s)
+    # Files through the model's processor (--chat: its chat template), checked before the
+    # weights load; prompts alone go through the tokenizer (--chat: the tokenizer's template).
+    if s.processor and not (s.images or s.audio):
+        raise InputError("--processor takes image or audio FILEs; give some, or drop --processor")
+    media = _processed_inputs(s) if s.images or s.audio else None
     options = decoding(s)
     name = Path(s.model.rstrip("/\\")).name or "model"
     path = Path(s.out) if s.out else Path(f"{name}.gen.safetensors")
@@ -246,7 +266,7 @@ def run_generate(s: Settings, *, json_out: bool, class_given: bool) -> None:
     err = stderr()
     with err.status(f"loading {s.model}"):
         loaded, tok = load_generator(s, class_given=class_given)
-    inputs = prompt_inputs(loaded.model, tok, s.texts, chat=s.chat)
+    inputs = media if media is not None else prompt_inputs(loaded.model, tok, s.texts, chat=s.chat)
     inputs = inputs.to(loaded.device, getattr(torch, loaded.dtype))
     with err.status(f"generating with {loaded.model_class}"):
         done = generate_model(
