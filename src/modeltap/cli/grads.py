@@ -111,7 +111,8 @@ def grads(
     offload_folder: OffloadFolderOpt = None,
     config: ConfigOpt = None,
 ) -> None:
-    """Gradients of a module's output (or a loss) w.r.t. the selected modules, in one backward."""
+    """Gradients of a module's output (or a loss) with respect to the selected modules' outputs,
+    in one backward."""
     s = settings(
         "grads",
         config,

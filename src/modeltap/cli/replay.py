@@ -42,8 +42,8 @@ def replay(
     json_out: JsonOpt = False,
 ) -> None:
     """Re-run, alone, the module that produced a recorded run's first NaN/Inf (a forward trip
-    recorded with on_nonfinite="dump"), and show whether it comes back. Exit 0 when it does, 1
-    when it does not."""
+    recorded with flight=True or on_nonfinite="dump"), and show whether it comes back. Exit 0
+    when it does, 1 when it does not."""
     from modeltap.dump import load_dump
     from modeltap.loading.factory import is_factory, load_factory
     from modeltap.record.index import read_run
