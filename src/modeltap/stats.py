@@ -230,8 +230,12 @@ def begin_stats(
     return _device_stats(x, base, **options)
 
 
-# Tensors up to this many elements are worth taking together in `batch_stats`.
-BATCH_ELEMENTS = 1 << 18
+# Tensors up to this many elements are worth taking together in `batch_stats`. Past it, the
+# per-tensor path's single pass is faster than the float64 copy and passes of the batched one
+# (us per tensor, batched against alone, on this 2-core machine: 256 elements 10 vs 27, 1,024 18
+# vs 28, 4,096 44 vs 31, 65,536 567 vs 98; scripts/bench_stats_block.py --batch). 2^18 made a
+# recorded step of a MiniLM-sized model (8 x 64 x 384 outputs) spend 1.6 ms a tensor, not 0.2.
+BATCH_ELEMENTS = 1 << 11
 
 
 def batch_stats(
