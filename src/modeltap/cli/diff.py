@@ -18,7 +18,6 @@ from modeltap.cli.app import (
     write_atomically,
 )
 from modeltap.cli.options import (
-    KEYS,
     OUTPUT,
     AtolOpt,
     ConfigOpt,
@@ -27,9 +26,11 @@ from modeltap.cli.options import (
     HtmlOpt,
     JsonOpt,
     JunitOpt,
+    KeyIncludeOpt,
     MapOpt,
     PresetOpt,
     RtolOpt,
+    StrictOpt,
     UpcastOpt,
 )
 from modeltap.config import Settings
@@ -49,21 +50,11 @@ def diff_command(
     rtol: RtolOpt = None,
     preset: PresetOpt = None,
     map_: MapOpt = None,
-    include: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--include", "-i", help="Key glob; repeatable.", metavar="GLOB", rich_help_panel=KEYS
-        ),
-    ] = None,
+    include: KeyIncludeOpt = None,
     exclude: ExcludeOpt = None,
     equal_nan: EqualNanOpt = None,
     upcast: UpcastOpt = None,
-    strict: Annotated[
-        bool | None,
-        typer.Option(
-            "--strict/--lenient", help="Keys on one side only fail too.", rich_help_panel=KEYS
-        ),
-    ] = None,
+    strict: StrictOpt = None,
     show_all: Annotated[
         bool, typer.Option("--all", help="List every pair, in order.", rich_help_panel=OUTPUT)
     ] = False,

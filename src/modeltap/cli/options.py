@@ -378,6 +378,18 @@ MapOpt = Annotated[
         rich_help_panel=KEYS,
     ),
 ]
+KeyIncludeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--include", "-i", help="Key glob; repeatable.", metavar="GLOB", rich_help_panel=KEYS
+    ),
+]
+StrictOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--strict/--lenient", help="Keys on one side only fail too.", rich_help_panel=KEYS
+    ),
+]
 UpcastOpt = Annotated[
     bool | None,
     typer.Option(

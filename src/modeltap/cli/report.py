@@ -11,15 +11,16 @@ import typer
 
 from modeltap.cli.app import app, handle_errors, stderr
 from modeltap.cli.options import (
-    KEYS,
     OUTPUT,
     AtolOpt,
     ConfigOpt,
     EqualNanOpt,
     ExcludeOpt,
+    KeyIncludeOpt,
     MapOpt,
     PresetOpt,
     RtolOpt,
+    StrictOpt,
     UpcastOpt,
 )
 from modeltap.errors import InputError
@@ -75,21 +76,11 @@ def report_command(
     rtol: RtolOpt = None,
     preset: PresetOpt = None,
     map_: MapOpt = None,
-    include: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--include", "-i", help="Key glob; repeatable.", metavar="GLOB", rich_help_panel=KEYS
-        ),
-    ] = None,
+    include: KeyIncludeOpt = None,
     exclude: ExcludeOpt = None,
     equal_nan: EqualNanOpt = None,
     upcast: UpcastOpt = None,
-    strict: Annotated[
-        bool | None,
-        typer.Option(
-            "--strict/--lenient", help="Keys on one side only fail too.", rich_help_panel=KEYS
-        ),
-    ] = None,
+    strict: StrictOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """Write one self-contained HTML page (opens offline) of a dump, a diff, a compare or a run."""
