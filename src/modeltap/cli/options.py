@@ -231,6 +231,16 @@ TokenizerOpt = Annotated[
         metavar="NAME",
     ),
 ]
+# For commands that take Hugging Face models only (compare, generate).
+HfTokenizerOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tokenizer",
+        help="Tokenizer id or folder [default: the model's].",
+        rich_help_panel=INPUTS,
+        metavar="NAME",
+    ),
+]
 DTypeOpt = Annotated[
     DType | None,
     typer.Option(
