@@ -65,7 +65,7 @@ def diff_command(
 ) -> None:
     """Compare two dumps, or two run folders of modeltap.record step by step; exit 0 when every
     tensor is within tolerance, 1 when not."""
-    from modeltap.diff import Tolerance, diff_dumps, junit_xml
+    from modeltap.diff import Tolerance, junit_xml
     from modeltap.dump import check_writable
 
     if a.is_dir() or b.is_dir():
@@ -105,18 +105,7 @@ def diff_command(
             junit=junit, html=html,
         )  # fmt: skip
         raise typer.Exit(0 if passed else 1)
-    report = diff_dumps(
-        a,
-        b,
-        tolerance=Tolerance(**values),
-        overrides=overrides,
-        rename=s.map,
-        include=s.include,
-        exclude=s.exclude,
-        equal_nan=s.equal_nan,
-        upcast=s.upcast,
-        strict=s.strict,
-    )
+    report = diff_report(a, b, s, values)
     if junit is not None:
         write_atomically(junit, junit_xml(report))
     if html is not None:
@@ -178,3 +167,21 @@ def diff_settings(
     if flags.get("upcast") is None and s.preset and read_preset(s.preset).get("upcast"):
         s.upcast = True
     return s, values
+
+
+def diff_report(a: Path, b: Path, s: Settings, values: dict[str, float]) -> Any:
+    """`diff_dumps` of A and B with diff's settings and tolerance values (see diff_settings)."""
+    from modeltap.diff import Tolerance, diff_dumps
+
+    return diff_dumps(
+        a,
+        b,
+        tolerance=Tolerance(**values),
+        overrides=[(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()],
+        rename=s.map,
+        include=s.include,
+        exclude=s.exclude,
+        equal_nan=s.equal_nan,
+        upcast=s.upcast,
+        strict=s.strict,
+    )

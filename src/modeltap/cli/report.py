@@ -130,24 +130,11 @@ def report_command(
 
 
 def _diff_page(a: Path, b: Path, command: str, *, config: Path | None, **flags: Any) -> Any:
-    from modeltap.cli.diff import diff_settings
-    from modeltap.diff import Tolerance, diff_dumps
+    from modeltap.cli.diff import diff_report, diff_settings
     from modeltap.render.report import diff_page
 
     s, values = diff_settings(config, **flags)
-    overrides = [(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()]
-    report = diff_dumps(
-        a,
-        b,
-        tolerance=Tolerance(**values),
-        overrides=overrides,
-        rename=s.map,
-        include=s.include,
-        exclude=s.exclude,
-        equal_nan=s.equal_nan,
-        upcast=s.upcast,
-        strict=s.strict,
-    )
+    report = diff_report(a, b, s, values)
     if not report.pairs:
         raise InputError(
             f"'{a}' and '{b}' have no key in common; check that they come from the same "
