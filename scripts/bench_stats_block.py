@@ -1,15 +1,15 @@
-"""Throughput of the statistics passes for each block size (`modeltap.stats._BLOCK`).
+"""Throughput of the statistics alone against this machine's memcpy, per block size.
 
-    .venv/bin/python scripts/bench_stats_block.py [--reps 5] [--blocks 16,17,18,19,20]
+    .venv/bin/python scripts/bench_stats_block.py [--reps 5] [--blocks 15,16,17,18,19]
     .venv/bin/python scripts/bench_stats_block.py --batch  # where batch_stats should stop batching
 
 The tensors are shaped like bert-base's outputs on 8 x 128 (per layer ten [8,128,768] and two
-[8,128,3072], twelve layers: 144 tensors, 680 MB of float32, seed 0). For each block of 2^k
-elements it times, in this process (median of --reps), `final_stats` of all of them on two
-workers, as `dump --compile --stats-only` runs it, and `tensor_stats` of all of them in one thread,
-as a dump's writer does. `tensor_stats` gives the same bits whatever the block (checked here);
-`final_stats` sums each block in float32 and adds the blocks in float64, so its last bits depend on
-the block.
+[8,128,3072], twelve layers: 144 tensors, 680 MB of float32, seed 0), in float32 and in bfloat16.
+It times, in this process with one torch thread (median of --reps): a memcpy of each tensor into
+a buffer allocated beforehand (numpy `copyto`, the machine's single-core copy speed), and
+`tensor_stats` of each tensor (what a dump's writer thread does) for each block of 2^k elements
+(`modeltap.stats.BLOCK`), with --hist too. GB/s are bytes of the tensor read per second; a memcpy
+also writes as many. The statistics' numbers differ between block sizes only in float32 rounding.
 
 With --batch it times instead, per tensor size, `batch_stats` of 100 tensors taken together (the
 batched path) against each alone (the per-tensor path): `modeltap.stats.BATCH_ELEMENTS` is where
@@ -19,18 +19,20 @@ the second becomes the faster.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--blocks", default="16,17,18,19,20", help="exponents k of 2^k elements")
+    parser.add_argument("--blocks", default="15,16,17,18,19", help="exponents k of 2^k elements")
+    parser.add_argument("--hist", action="store_true", help="also time statistics with --hist")
     parser.add_argument("--batch", action="store_true", help="the batched path's crossover")
     args = parser.parse_args()
 
+    import numpy as np
     import torch
 
     import modeltap.stats as stats
@@ -39,6 +41,7 @@ def main() -> None:
         batch_crossover(stats, args.reps)
         return
 
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     tensors = []
     for _ in range(12):
@@ -46,35 +49,51 @@ def main() -> None:
         tensors += [torch.randn(8, 128, 3072) for _ in range(2)]
     gigabytes = sum(t.numel() * t.element_size() for t in tensors) / 1e9
 
-    def final_on_two_workers() -> None:
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(stats.final_stats, tensors))
-
-    def tensor_stats_in_one_thread() -> None:
-        for t in tensors:
-            stats.tensor_stats(t)
-
     def median_seconds(run) -> float:
         times = []
-        for _ in range(args.reps):
+        for _ in range(args.reps + 1):  # the first is a warm-up
             start = time.perf_counter()
             run()
             times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return statistics.median(times[1:])
 
-    print(
-        f"{len(tensors)} tensors, {gigabytes * 1e3:.0f} MB, torch threads {torch.get_num_threads()}"
-    )
-    print(f"{'block':>8} {'final_stats x2 GB/s':>20} {'tensor_stats GB/s':>18}")
-    reference = None
-    for k in (int(k) for k in args.blocks.split(",")):
-        stats._BLOCK = 1 << k
-        final = median_seconds(final_on_two_workers)
-        plain = median_seconds(tensor_stats_in_one_thread)
-        numbers = [stats.tensor_stats(t) for t in tensors[:12]]
-        reference = reference or numbers
-        same = "" if numbers == reference else "  (tensor_stats bits differ!)"
-        print(f"{'2^' + str(k):>8} {gigabytes / final:>20.2f} {gigabytes / plain:>18.2f}{same}")
+    target = np.empty(max(t.numel() for t in tensors), dtype=np.float32)
+
+    def memcpy() -> None:
+        for t in tensors:
+            np.copyto(target[: t.numel()], t.numpy().reshape(-1))
+
+    copy = gigabytes / median_seconds(memcpy)
+    print(f"{len(tensors)} tensors, {gigabytes * 1e3:.0f} MB float32, one torch thread")
+    print(f"memcpy (numpy copyto into a buffer): {copy:.2f} GB/s")
+    print(f"{'block':>8} {'dtype':>9} {'stats GB/s':>11} {'of memcpy':>10} {'+hist GB/s':>11}")
+    setting = stats.BLOCK
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            typed = [t.to(dtype) for t in tensors]
+            size = sum(t.numel() * t.element_size() for t in typed) / 1e9
+            for k in (int(k) for k in args.blocks.split(",")):
+                stats.BLOCK = 1 << k
+                plain = size / median_seconds(
+                    lambda typed=typed: [stats.tensor_stats(t) for t in typed]
+                )
+                hist = (
+                    size
+                    / median_seconds(
+                        lambda typed=typed: [stats.tensor_stats(t, hist=True) for t in typed[:12]]
+                    )
+                    * 12
+                    / len(typed)
+                    if args.hist
+                    else math.nan
+                )
+                name = str(dtype).removeprefix("torch.")
+                print(
+                    f"{'2^' + str(k):>8} {name:>9} {plain:>11.2f} {plain / copy:>9.0%} "
+                    f"{hist:>11.2f}"
+                )
+    finally:
+        stats.BLOCK = setting
 
 
 def batch_crossover(stats, reps: int) -> None:  # noqa: ANN001 - the module

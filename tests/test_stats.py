@@ -35,7 +35,7 @@ def test_chunked_path_equals_whole(monkeypatch):
     torch.manual_seed(1)
     x = torch.randn(64, 33).to(torch.bfloat16)
     whole = tensor_stats(x)
-    monkeypatch.setattr(stats_module, "CHUNK_ELEMENTS", 100)  # many chunks of 3 rows
+    monkeypatch.setattr(stats_module, "BLOCK", 100)  # many blocks of 3 rows
     chunked = tensor_stats(x)
     for name in ("norm", "mean", "std", "min", "max"):
         assert getattr(chunked, name) == pytest.approx(getattr(whole, name), rel=1e-7)
@@ -265,3 +265,72 @@ def test_histogram_counts_every_finite_value_in_its_bin_on_every_path(case):
     )
     assert device_path.result().hist == expected
     assert tensor_stats(x).hist is None  # only when asked for
+
+
+def _numpy_reference(x: torch.Tensor, mask: torch.Tensor | None, threshold: float) -> dict:
+    """Every field from float64 numpy over the whole tensor, written without modeltap's blocks."""
+    import numpy as np
+
+    v = x.double().numpy()
+    finite = v[np.isfinite(v)]
+    ref = {
+        "nan": int(np.isnan(v).sum()),
+        "inf": int(np.isinf(v).sum()),
+        "zeros": int((v == 0).sum()),
+        "mean": finite.mean(),
+        "std": finite.std(ddof=1),
+        "norm": float(np.sqrt(np.square(finite).sum())),
+        "min": finite.min(),
+        "max": finite.max(),
+    }
+    if x.dim() >= 2:
+        rows = np.where(np.isnan(v), -np.inf, v).reshape(-1, x.shape[-1])
+        if mask is not None and x.dim() >= 3:
+            keep = mask.bool().numpy().reshape(*mask.shape, *([1] * (x.dim() - 3)))
+            rows = rows[np.broadcast_to(keep, x.shape[:-1]).reshape(-1)]
+        alive = rows.max(axis=0) if rows.shape[0] else np.full(x.shape[-1], -np.inf)
+        ref["dead"] = int((alive <= threshold).sum())
+    return ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize(
+    "shape",
+    [(5_000,), (3, 2_100), (2, 9, 150), (6, 5, 4, 40)],  # row pieces, whole rows, many blocks
+    ids=str,
+)
+@pytest.mark.parametrize("broken", [False, True], ids=["finite", "nan-inf"])
+def test_one_pass_blocks_match_an_independent_float64_reference(monkeypatch, dtype, shape, broken):
+    """The CPU path reads a tensor a block at a time (here 500 elements: rows of 2,100 and 5,000
+    come in pieces, narrow rows many to a block) and combines the blocks; every field must equal
+    float64 numpy's over the whole tensor (moments within float32 rounding, the rest exactly)."""
+    monkeypatch.setattr(stats_module, "BLOCK", 500)
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=gen) * 4.0 + 300.0  # a large mean: the centring must hold
+    x[x > 306.0] = 0.0  # some zeros
+    if len(shape) >= 2:
+        x[..., 1] = -2.0  # a dead unit
+    x = x.round() if dtype == torch.int64 else x
+    x = x.to(dtype)
+    if broken and dtype.is_floating_point:
+        flat = x.view(-1)
+        flat[7], flat[1_200], flat[-3] = math.nan, math.inf, -math.inf
+    mask = None
+    if len(shape) >= 3:
+        mask = torch.ones(shape[:2], dtype=torch.long)
+        mask[-1, 2:] = 0
+        x[-1, 2:, ..., 3] = 1e3  # unit 3 is alive only where the mask leaves rows out
+        x[:-1, ..., 3] = -1.0
+        x[-1, :2, ..., 3] = -1.0
+    got = tensor_stats(x, count_zeros=True, row_mask=mask, hist=True)
+    ref = _numpy_reference(x, mask, 0.0)
+    assert (got.nan, got.inf, got.zeros) == (ref["nan"], ref["inf"], ref["zeros"])
+    assert (got.min, got.max) == (ref["min"], ref["max"])
+    assert got.mean == pytest.approx(ref["mean"], rel=1e-7)
+    assert got.std == pytest.approx(ref["std"], rel=2e-7)
+    assert got.norm == pytest.approx(ref["norm"], rel=1e-7)
+    assert got.hist == reference_hist(x)
+    if len(shape) >= 2:
+        assert (got.units, got.dead) == (shape[-1], ref["dead"])
+        if mask is not None:
+            assert tensor_stats(x).dead == ref["dead"] - 1  # unit 3 lives in the padding

@@ -1,15 +1,16 @@
 """Per-tensor statistics: norms, moments, extremes, NaN/Inf counts and dead units.
 
 Moments are accumulated in float64 from float32-or-wider pieces, so a bfloat16 tensor gets the
-same trustworthy numbers as a float32 one. float32/float64 tensors are read in place; narrower or
-integer tensors are converted a bounded chunk at a time, never as one full copy. On the CPU a
-tensor's sums are torch's, with the exact parts done in numpy to keep the cost per small tensor
-low. Small tensors (up to BATCH_ELEMENTS) take segmented float64 reductions instead, many at once
-in `batch_stats` and with the same bits one at a time. The two agree to float32 rounding (about
-1e-7 relative) and give the same extremes, counts and dead units to the bit. On other devices
-everything runs as queued kernels, exact in float64, ending in one small vector: a CUDA tensor
-costs one transfer of a few numbers (`begin_stats`, then `PendingStats.result`), never one sync
-per statistic.
+same trustworthy numbers as a float32 one. On the CPU a tensor is read once: a block of `BLOCK`
+elements at a time (float32/float64 in place, narrower or integer types widened a block at a time
+into a reused buffer), every statistic taken from the block while it is in cache, the blocks
+combined in float64. The moments are within float32 rounding of a float64 reference (tested to
+1e-7 relative for the mean and norm, 2e-7 for the standard deviation); extremes, counts, dead
+units and histograms are exact. Small tensors (up to BATCH_ELEMENTS) take segmented float64
+reductions instead, many at once in `batch_stats` and with the same bits one at a time. On other
+devices everything runs as queued kernels, exact in float64, ending in one small vector: a CUDA
+tensor costs one transfer of a few numbers (`begin_stats`, then `PendingStats.result`), never one
+sync per statistic.
 
 With `hist=True` each tensor also gets a small fixed-bin histogram (`HIST_EDGES`), counted from
 the same values in the same loop as its moments.
@@ -388,79 +389,76 @@ def _cpu_stats(
     count_zeros: bool,
     hist: bool = False,
 ) -> TensorStats:
-    """The CPU path: the same reductions as ever, in the same order (the numbers are bit-identical
-    to earlier versions'), with everything exact (extremes, counts, the centring) done in numpy:
-    a numpy call costs a microsecond where a torch op costs several, which small tensors pay."""
-    import numpy as np
-    import torch
+    """The CPU path, in one read of the tensor's memory.
 
-    units = base["shape"][-1] if x.dim() >= 2 else 1
-    rows = x.reshape(-1, units)
-    keep_rows = _rows_to_keep(x, row_mask)
-    keep = None if keep_rows is None else keep_rows.numpy()
-    in_place = x.dtype in (torch.float32, torch.float64)
-    step = max(1, CHUNK_ELEMENTS // units)
+    The values are taken a block of about `BLOCK` elements at a time (whole rows of the last dim,
+    or pieces of one row when a row is longer), and everything is done to a block while it is in
+    the core's cache: its sum, its centred square sum, its min, the per-unit max, zeros and
+    histogram counts. Blocks combine in float64 (Chan et al.), which is as accurate as one
+    two-pass over the whole tensor or better; the last bits depend on the block, not on anything
+    else (see `BLOCK`). 16-bit floats are widened a block at a time into a reused buffer.
+    """
+    import numpy as np
 
     moments = _Moments()
     lo, hi = math.inf, -math.inf
-    nan = inf = zeros = 0
+    nan = inf = nonzero = 0
     unit_max: Any = None
     counts = np.zeros(HIST_BINS, dtype=np.int64) if hist else None
-    whole = rows.shape[0] <= step
-    for start in range(0, rows.shape[0], step):
-        chunk = rows if whole else rows[start : start + step]
-        if not in_place:
-            chunk = chunk.to(torch.float32)
-        count = chunk.numel()
-        # Two passes with torch's cascade summation: accurate to ~1e-8 and 10x faster than Welford.
-        mean = float(chunk.sum()) / count
-        values = chunk.numpy()
-        if counts is not None:
-            _count_bins(counts, values)
-        passed = _centered_pass(chunk, values, mean, count_zeros) if math.isfinite(mean) else None
-        if passed is not None and math.isfinite(passed[0]):
-            m2, chunk_min, chunk_alive, nonzero = passed
+    units = base["shape"][-1] if x.dim() >= 2 else None
+    keep_rows = _rows_to_keep(x, row_mask)
+    keep = None if keep_rows is None else keep_rows.numpy()
+    for block, rows, columns in _blocks(x, units):
+        count = block.size
+        passed = _block_pass(block)
+        if passed is not None:
+            mean, m2, block_lo = passed
             moments.add(count, mean, m2)
-            lo = min(lo, chunk_min)
-            zeros += count - nonzero
-            if keep is None:  # every row counts: the per-unit maxima give the max as well
-                hi = max(hi, float(chunk_alive.max()))
-                alive = chunk_alive
-            else:
-                hi = max(hi, float(values.max()))
-                kept = values[keep[start : start + step]]
-                alive = kept.max(axis=0) if kept.shape[0] else None
+            lo = min(lo, block_lo)
+            values = block
         else:
             # NaN/Inf present (or float32 overflowed): count them; moments of the finite values.
-            is_nan, is_inf = torch.isnan(chunk), torch.isinf(chunk)
-            nan += int(is_nan.sum())
-            inf += int(is_inf.sum())
-            finite = chunk[~(is_nan | is_inf)].to(torch.float64)
-            if finite.numel():
-                vmean = float(finite.mean())
-                moments.add(finite.numel(), vmean, float(torch.square(finite - vmean).sum()))
-                lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
+            finite = np.isfinite(block)
+            is_nan = np.isnan(block)
+            block_nan = int(np.count_nonzero(is_nan))
+            nan += block_nan
+            inf += count - block_nan - int(np.count_nonzero(finite))
+            kept = block[finite].astype(np.float64)
+            if kept.size:
+                kmean = float(kept.mean())
+                moments.add(kept.size, kmean, float(np.square(kept - kmean).sum()))
+                lo, hi = min(lo, float(kept.min())), max(hi, float(kept.max()))
             # NaN never makes a unit alive; +inf does, -inf doesn't.
-            values = chunk.masked_fill(is_nan, -math.inf).numpy()
-            if count_zeros:
-                zeros += count - int(np.count_nonzero(values))
-            kept = values if keep is None else values[keep[start : start + step]]
-            alive = kept.max(axis=0) if kept.shape[0] else None
-        if alive is not None:
-            unit_max = alive if unit_max is None else np.maximum(unit_max, alive)
+            values = np.where(is_nan, block.dtype.type(-math.inf), block)
+        alive = None
+        if units is not None:
+            alive = values.max(axis=0)
+            if keep is not None:
+                kept_rows = values[keep[rows]]
+                if passed is not None:
+                    hi = max(hi, float(alive.max()))
+                alive = kept_rows.max(axis=0) if kept_rows.shape[0] else None
+            elif passed is not None:
+                hi = max(hi, float(alive.max()))  # the per-unit maxima give the max as well
+            if alive is not None:
+                if unit_max is None:
+                    unit_max = np.full(units, -np.inf, dtype=alive.dtype)
+                np.maximum(unit_max[columns], alive, out=unit_max[columns])
+        elif passed is not None:
+            hi = max(hi, float(block.max()))
+        if count_zeros:
+            nonzero += int(np.count_nonzero(block))
+        if counts is not None:
+            _count_bins(counts, block)
 
     result: dict[str, Any] = dict(base, nan=nan, inf=inf)
-    if moments.n:
-        std = math.sqrt(moments.m2 / (moments.n - 1)) if moments.n > 1 else 0.0
-        # Both terms are >= 0: the norm needs no extra pass and loses nothing to cancellation.
-        norm = math.sqrt(moments.m2 + moments.n * moments.mean * moments.mean)
-        result.update(norm=norm, mean=moments.mean, std=std, min=lo, max=hi)
+    _moments_into(result, moments, lo, hi)
     if count_zeros:
-        result["zeros"] = zeros
+        result["zeros"] = base["numel"] - nonzero
     if counts is not None:
         counts[-1] -= nan  # NaN sorts last: the top bin took them
         result["hist"] = counts.tolist()
-    if x.dim() >= 2:
+    if units is not None:
         # Compared in the working dtype (float32 for narrower ones), as torch compares a tensor
         # with a Python float.
         dead = units
@@ -470,61 +468,85 @@ def _cpu_stats(
     return TensorStats(**result)
 
 
-# One reusable float buffer per thread and dtype for the centred pass: a fresh temporary per
-# tensor costs more in page faults than the arithmetic itself.
+# Elements of a block: what one core's share of this machine's cache holds twice over (the block
+# and its centred copy). scripts/bench_stats_block.py times each size; 2^17 (512 KB of float32)
+# was the fastest here, 2^16 and 2^18 within 10%, 2^20 half as fast.
+BLOCK = 1 << 17
+
+
+def _blocks(x: torch.Tensor, units: int | None) -> Iterator[tuple[Any, slice, slice]]:
+    """(block, its rows, its columns) of x as a [rows, units] numpy array, in memory order: whole
+    rows when a block holds at least one, else pieces of a row (a 1-D tensor is one row). The
+    block is a view where x is float32/float64 (a copy in a reused buffer otherwise)."""
+    import torch
+
+    width = units or max(1, x.numel())
+    x = x.reshape(-1, width)
+    if x.dtype in (torch.float32, torch.float64):
+        values = x.numpy()
+        work = None
+    else:
+        values = None
+        # float32 is exact for 16-bit floats, bool and small integers; wider integers need float64
+        wide = x.dtype in (torch.int32, torch.int64, torch.uint32, torch.uint64)
+        work = torch.float64 if wide else torch.float32
+    step = max(1, BLOCK // width)
+    span = min(width, BLOCK)
+    for start in range(0, x.shape[0], step):
+        rows = slice(start, start + step)
+        for first in range(0, width, span):
+            columns = slice(first, first + span)
+            if values is not None:
+                block = values[rows, columns] if span < width else values[rows]
+            else:
+                piece = x[rows, columns]
+                into = _buffer("widened", work, piece.numel())[: piece.numel()].view(piece.shape)
+                block = into.copy_(piece).numpy()
+            yield block, rows, columns
+
+
+# One reusable buffer per thread and dtype: a fresh temporary per block costs more in page faults
+# than the arithmetic itself.
 _LOCAL = threading.local()
 
 
-# Rows of about this many elements (1 MB of float32) go through the centred pass together, so
-# that the block read for the subtraction is still in cache (L3 here) for the square, the min, the
-# per-unit max and the zeros. Smaller blocks cost more in numpy calls than they save: with 2^16,
-# final_stats of bert-base's 680 MB made 2,600 blocks of six calls each, and with 2^18 its two
-# workers ran about twice as fast (scripts/bench_stats_block.py: 3.75 against 6.73 GB/s).
-_BLOCK = 1 << 18
-
-
-def _centered_pass(
-    chunk: torch.Tensor, values: Any, mean: float, count_zeros: bool
-) -> tuple[float, float, Any, int] | None:
-    """(sum((chunk - mean)^2), min, per-unit max, non-zero count) of a [rows, units] chunk in one
-    read of it, block by block; None if it is too wide for the buffer.
-
-    The square sum is what torch has always computed, to the bit: the elementwise part in numpy
-    (the mean rounded to the dtype, one rounding per operation, as torch does), into one buffer
-    that torch then sums whole, in its own order. Extremes and counts are exact whatever the
-    order. NaN/Inf make the sum non-finite and the caller starts over.
-    """
-    import numpy as np
+def _buffer(use: str, dtype: torch.dtype, size: int) -> torch.Tensor:
     import torch
 
-    count = chunk.numel()
-    if count > CHUNK_ELEMENTS:
-        return None
     buffers = getattr(_LOCAL, "buffers", None)
     if buffers is None:
         buffers = _LOCAL.buffers = {}
-    buffer = buffers.get(chunk.dtype)
-    if buffer is None or buffer.numel() < CHUNK_ELEMENTS:
-        buffer = buffers[chunk.dtype] = torch.empty(CHUNK_ELEMENTS, dtype=chunk.dtype)
-    flat = buffer[:count]
-    out = flat.numpy().reshape(values.shape)
-    center = values.dtype.type(mean)
-    rows = values.shape[0]
-    step = max(1, _BLOCK // max(1, values.shape[1]))
-    lo = math.inf
-    alive = None
-    nonzero = 0
-    for start in range(0, rows, step):
-        part = values[start : start + step] if step < rows else values
-        into = out[start : start + step] if step < rows else out
-        np.subtract(part, center, out=into)
-        np.square(into, out=into)
-        lo = min(lo, float(part.min()))
-        block_max = part.max(axis=0)
-        alive = block_max if alive is None else np.maximum(alive, block_max)
-        if count_zeros:
-            nonzero += int(np.count_nonzero(part))
-    return float(flat.sum()), lo, alive, nonzero
+    key = (use, dtype, size > BLOCK)
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < size:
+        buffer = buffers[key] = torch.empty(max(size, BLOCK), dtype=dtype)
+    return buffer
+
+
+def _block_pass(block: Any) -> tuple[float, float, float] | None:
+    """(mean, centred square sum, min) of a finite block, each read while it is in cache;
+    None if it holds NaN/Inf or its sums overflow the dtype.
+
+    The sums are torch's (cascade summation, vectorised: 3x numpy's pairwise sum here); the
+    elementwise centring in numpy into a reused buffer, one rounding per operation."""
+    import numpy as np
+    import torch
+
+    count = block.size
+    flat = torch.from_numpy(block.reshape(-1)) if block.flags.c_contiguous else None
+    mean = float(flat.sum() if flat is not None else block.sum()) / count
+    if not math.isfinite(mean):
+        return None
+    work = torch.float64 if block.dtype == np.float64 else torch.float32
+    buffer = _buffer("centred", work, count)
+    centred = buffer[:count]
+    into = centred.numpy().reshape(block.shape)
+    np.subtract(block, block.dtype.type(mean), out=into)
+    np.square(into, out=into)
+    m2 = float(centred.sum())
+    if not math.isfinite(m2):
+        return None
+    return mean, m2, float(block.min())
 
 
 def _device_stats(
@@ -607,83 +629,15 @@ def final_stats(
     count_zeros: bool = False,
     hist: bool = False,
 ) -> TensorStats:
-    """`tensor_stats` in one read of a CPU float tensor: block by block, each block's sum, centred
-    square sum, min and per-unit max while it is in cache, blocks combined in float64 (Chan).
-
-    For tensors nothing will change any more, read where they are (a finished compiled forward):
-    the same fields as `tensor_stats`, equal within float32 rounding (a block's sums are added in
-    its dtype, in another order: numpy's pairwise sums), not to the bit.
-    Anything else (NaN/Inf, other dtypes, other devices) goes through `tensor_stats`.
-    """
-    import numpy as np
-    import torch
-
-    x = tensor.detach()
-    options = {
-        "dead_threshold": dead_threshold,
-        "row_mask": row_mask,
-        "count_zeros": count_zeros,
-        "hist": hist,
-    }
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or not x.numel():
-        return tensor_stats(x, **options)
-    units = x.shape[-1] if x.dim() >= 2 else 1
-    values = x.reshape(-1, units).numpy()
-    keep_rows = _rows_to_keep(x, row_mask)
-    keep = None if keep_rows is None else keep_rows.numpy()
-    rows = values.shape[0]
-    step = max(1, _BLOCK // units)
-    buffer = np.empty((min(step, rows), units), dtype=values.dtype)
-    moments = _Moments()
-    lo, hi = math.inf, -math.inf
-    unit_max: Any = None
-    nonzero = 0
-    counts = np.zeros(HIST_BINS, dtype=np.int64) if hist else None
-    for start in range(0, rows, step):
-        part = values[start : start + step]
-        flat = part.ravel()  # a view: one pairwise sum over the whole block
-        count = flat.size
-        mean = float(flat.sum()) / count
-        if not math.isfinite(mean):
-            return tensor_stats(x, **options)  # NaN/Inf: moments of the finite values only
-        into = buffer[: part.shape[0]]
-        np.subtract(part, values.dtype.type(mean), out=into)
-        centred = into.ravel()
-        # numpy's pairwise sum of the squares, as _centered_pass has torch do: a BLAS dot
-        # product is several float32 epsilons off, in last bits that change with its threads
-        moments.add(count, mean, float(np.square(centred, out=centred).sum()))
-        lo = min(lo, float(flat.min()))
-        block_max = part.max(axis=0)
-        hi = max(hi, float(block_max.max()))
-        if keep is not None:
-            kept = part[keep[start : start + step]]
-            block_max = kept.max(axis=0) if kept.shape[0] else None
-        if block_max is not None:
-            unit_max = block_max if unit_max is None else np.maximum(unit_max, block_max)
-        if count_zeros:
-            nonzero += int(np.count_nonzero(part))
-        if counts is not None:
-            _count_bins(counts, part)
-    if not math.isfinite(moments.m2):  # a square overflowed the dtype
-        return tensor_stats(x, **options)
-    result: dict[str, Any] = {
-        "shape": list(x.shape),
-        "dtype": dtype_name(x.dtype),
-        "numel": x.numel(),
-        "nan": 0,
-        "inf": 0,
-    }
-    _moments_into(result, moments, lo, hi)
-    if count_zeros:
-        result["zeros"] = x.numel() - nonzero
-    if counts is not None:
-        result["hist"] = counts.tolist()
-    if x.dim() >= 2:
-        dead = units
-        if unit_max is not None:
-            dead = int(np.count_nonzero(unit_max <= unit_max.dtype.type(dead_threshold)))
-        result.update(units=units, dead=dead)
-    return TensorStats(**result)
+    """`tensor_stats` of a tensor nothing will change any more (a finished compiled forward),
+    read where it is; the CPU path already reads a tensor once, block by block."""
+    return tensor_stats(
+        tensor,
+        dead_threshold=dead_threshold,
+        row_mask=row_mask,
+        count_zeros=count_zeros,
+        hist=hist,
+    )
 
 
 @functools.cache
