@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -405,6 +406,7 @@ def _cpu_stats(
     nan = inf = nonzero = 0
     unit_max: Any = None
     counts = np.zeros(HIST_BINS, dtype=np.int64) if hist else None
+    per_prefix: Any = None  # histogram counts per float32 16-bit prefix (_count_finite_bins)
     units = base["shape"][-1] if x.dim() >= 2 else None
     keep_rows = _rows_to_keep(x, row_mask)
     keep = None if keep_rows is None else keep_rows.numpy()
@@ -449,13 +451,21 @@ def _cpu_stats(
         if count_zeros:
             nonzero += int(np.count_nonzero(block))
         if counts is not None:
-            _count_bins(counts, block)
+            if passed is not None and block.dtype == np.float32:
+                if per_prefix is None:
+                    per_prefix = np.zeros(1 << 16, dtype=np.int64)
+                _count_finite_bins(per_prefix, counts, block)
+            else:
+                _count_bins(counts, block)
 
     result: dict[str, Any] = dict(base, nan=nan, inf=inf)
     _moments_into(result, moments, lo, hi)
     if count_zeros:
         result["zeros"] = base["numel"] - nonzero
     if counts is not None:
+        if per_prefix is not None:
+            by_bin = np.bincount(_prefix_bins()[0], weights=per_prefix, minlength=HIST_BINS + 1)
+            counts += by_bin[:HIST_BINS].astype(np.int64)
         counts[-1] -= nan  # NaN sorts last: the top bin took them
         result["hist"] = counts.tolist()
     if units is not None:
@@ -645,6 +655,42 @@ def _hist_edges() -> Any:
     import numpy as np
 
     return np.array(HIST_EDGES, dtype=np.float64)
+
+
+# Which half of a float32's bytes holds its sign, exponent and top 7 mantissa bits.
+_HIGH_HALF = 1 if sys.byteorder == "little" else 0
+
+
+@functools.cache
+def _prefix_bins() -> tuple[Any, Any, Any]:
+    """(bin of every float32 whose top 16 bits are p, or HIST_BINS where an edge or a non-finite
+    value splits those floats; the p that are split; a bool per p, split or not). The floats
+    sharing their top 16 bits are one interval of values: it lies in one bin when both its ends
+    do."""
+    import numpy as np
+
+    prefixes = np.arange(1 << 16, dtype=np.uint32) << 16
+    with np.errstate(invalid="ignore"):  # NaN prefixes
+        ends = [(prefixes | low).view(np.float32).astype(np.float64) for low in (0, 0xFFFF)]
+    first, last = (np.searchsorted(_hist_edges(), end, side="right") for end in ends)
+    whole = (first == last) & np.isfinite(ends[0]) & np.isfinite(ends[1])
+    return np.where(whole, first, HIST_BINS), np.flatnonzero(~whole), ~whole
+
+
+def _count_finite_bins(per_prefix: Any, counts: Any, block: Any) -> None:
+    """`_count_bins` of a finite float32 block, several times faster: values are counted per 16-bit
+    prefix into `per_prefix` (one bincount; the caller sums those by bin once per tensor), and
+    only values in a prefix that an edge splits (well under 1% of normal activations) are compared
+    with the edges one by one, into `counts`."""
+    import numpy as np
+
+    _, split, is_split = _prefix_bins()
+    flat = block.reshape(-1)
+    high = flat.view(np.uint16)[_HIGH_HALF::2]
+    here = np.bincount(high, minlength=1 << 16)
+    per_prefix += here
+    if here[split].any():
+        _count_bins(counts, flat[is_split.take(high)])
 
 
 def _count_bins(counts: Any, values: Any) -> None:
