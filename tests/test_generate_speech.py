@@ -10,6 +10,7 @@ prompt and then each new token with the model's cache, with this file's own hook
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import subprocess
@@ -190,6 +191,27 @@ def test_sampling_with_a_seed_samples_as_whisper_does_with_a_temperature(
         expected = model.generate(**features, max_new_tokens=N, do_sample=True, temperature=1.0)
         greedy = model.generate(**features, max_new_tokens=N)
     assert done.new_ids == expected.tolist() != greedy.tolist()
+
+
+def test_compare_generation_names_the_faulted_decoder_layer(
+    whisper, speech: Path, tmp_path: Path
+) -> None:  # noqa: ANN001
+    from modeltap.compare.generate import compare_generation
+
+    _, model, processor = whisper
+    inputs = Inputs((), _features(processor, speech), {"files": []})
+    candidate = copy.deepcopy(model)
+    with torch.no_grad():
+        candidate.model.decoder.layers[1].fc2.weight.mul_(3.0)
+    result = compare_generation(
+        model, candidate, inputs, tmp_path, decoding=Decoding(max_new_tokens=3),
+        tokenizer=processor.tokenizer,
+    )  # fmt: skip
+    assert not result.passed
+    assert result.steps.first_divergence.step == 0
+    assert result.attributed_step is not None
+    origins = [m.name for m in result.attribution.origins]
+    assert origins and origins[0] == "model.decoder.layers.1.fc2", origins
 
 
 def test_a_second_decoding_loop_is_refused(speech: Path, tmp_path: Path) -> None:
