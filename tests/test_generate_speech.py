@@ -11,6 +11,7 @@ prompt and then each new token with the model's cache, with this file's own hook
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import subprocess
@@ -20,10 +21,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from modeltap.cli import app
 from modeltap.dump import load_dump
 from modeltap.generate import Decoding, StepPlan, generate_model, step_view, steps_of
 from modeltap.loading import Inputs
-from tests.fixtures.media import build_whisper_generator
+from tests.fixtures.media import build_whisper_generator, tone, write_wav
 from tests.test_generate import _assert_step_matches, _plain_outputs
 from tests.test_processors import read_wav
 
@@ -191,6 +193,47 @@ def test_sampling_with_a_seed_samples_as_whisper_does_with_a_temperature(
         expected = model.generate(**features, max_new_tokens=N, do_sample=True, temperature=1.0)
         greedy = model.generate(**features, max_new_tokens=N)
     assert done.new_ids == expected.tolist() != greedy.tolist()
+
+
+def test_cli_generate_on_a_recording(whisper, speech: Path) -> None:  # noqa: ANN001
+    folder, model, processor = whisper
+    args = ["generate", str(folder), str(speech), "--max-new-tokens", str(N), "-o", "g.st"]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    with torch.no_grad():
+        expected = model.generate(**_features(processor, speech), max_new_tokens=N)
+    meta = json.loads(load_dump("g.st").metadata["generate"])
+    assert meta["new_ids"] == expected.tolist()
+    assert meta["text"] == processor.batch_decode(expected, skip_special_tokens=True)
+    assert len(meta["decoder_prompt_ids"][0]) == 4 and meta["unstored_forwards"] == 0
+    assert json.loads(load_dump("g.st").metadata["inputs"])["files"][0]["file"] == "hello.wav"
+
+
+def test_cli_audio_with_a_model_without_a_processor(tmp_path: Path) -> None:
+    model, _ = build_whisper_generator(tmp_path / "whisper")
+    bare = tmp_path / "bare"
+    model.save_pretrained(bare)  # the weights and configs, no feature extractor or tokenizer
+    wav = write_wav(tmp_path / "tone.wav", tone(16000, 0.5), 16000)
+    result = runner.invoke(app, ["generate", str(bare), str(wav), "-o", "g.st"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert "--processor" in lines[0]
+    assert not Path("g.st").exists()
+
+
+def test_cli_compare_generate_against_bf16_on_a_recording(whisper, speech: Path) -> None:  # noqa: ANN001
+    folder, model, processor = whisper
+    args = ["compare", str(folder), str(speech), "--generate", "3", "--against", "bf16", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code in (0, 1), result.output
+    data = json.loads(result.stdout)
+    assert data["candidate"]["dtype"] == "bfloat16"
+    with torch.no_grad():
+        expected = model.generate(**_features(processor, speech), max_new_tokens=3)
+    assert data["reference_ids"] == expected.tolist()
+    assert [s["step"] for s in data["steps"]["steps"]] == [0, 1, 2]
+    assert all(s["by"] == "tensors" for s in data["steps"]["steps"])
 
 
 def test_compare_generation_names_the_faulted_decoder_layer(
