@@ -756,12 +756,3 @@ def test_processor_without_files_is_refused(gpt2_dir: Path) -> None:
     result = runner.invoke(app, ["generate", str(gpt2_dir), PROMPT, "--processor", "x"])
     assert result.exit_code == 2 and "--processor takes image or audio FILEs" in result.output
 
-
-def test_audio_generation_is_refused_in_one_line(tmp_path: Path) -> None:
-    from tests.fixtures.media import build_whisper, tone, write_wav
-
-    build_whisper(tmp_path / "whisper")
-    wav = write_wav(tmp_path / "speech.wav", tone(16000, 1.0), 16000)
-    result = runner.invoke(app, ["generate", str(tmp_path / "whisper"), str(wav)])
-    assert result.exit_code == 2
-    assert result.output.startswith("error: generate takes images, not audio, for now")

@@ -87,6 +87,20 @@ class Recorder:
         self._calls.clear()
         self._seen.clear()
 
+    def mark(self) -> tuple[Any, ...]:
+        """The naming state now, for `rewind` after a forward whose events the sink drops."""
+        return (
+            dict(self._calls), dict(self._seen), dict(self.skipped), self.skipped_none,
+            len(self.order), dict(self.aliases),
+        )  # fmt: skip
+
+    def rewind(self, mark: tuple[Any, ...]) -> None:
+        """Name what follows as if nothing had been recorded since `mark`."""
+        calls, seen, skipped, skipped_none, order, aliases = mark
+        self._calls, self._seen, self.skipped = calls, seen, skipped
+        self.skipped_none, self.aliases = skipped_none, aliases
+        del self.order[order:]
+
     def record(self, module: str, value: Any, *, is_input: bool = False) -> None:
         import torch
 

@@ -52,8 +52,9 @@ def generate(
     prompt: Annotated[
         list[str] | None,
         typer.Argument(
-            help="Prompts, generated from as one left-padded batch; image files (by content) go "
-            "with them through the model's processor (a vision-language model).",
+            help="Prompts, generated from as one left-padded batch; image or audio files (by "
+            "content) go with them through the model's processor (a vision-language or speech "
+            "model).",
             metavar="PROMPT|FILE",
         ),
     ] = None,
@@ -109,8 +110,9 @@ def generate(
     model_class: Annotated[
         str | None,
         typer.Option(
-            help="transformers class to load with [default: AutoModelForCausalLM, or "
-            "AutoModelForSeq2SeqLM for an encoder-decoder].",
+            help="transformers class to load with [default: AutoModelForCausalLM; "
+            "AutoModelForSeq2SeqLM for an encoder-decoder, AutoModelForSpeechSeq2Seq with "
+            "audio, AutoModelForImageTextToText with images].",
             show_default=False,
             rich_help_panel=LOADING,
             metavar="CLASS",
@@ -216,15 +218,23 @@ def load_generator(s: Settings, *, class_given: bool) -> tuple[Any, Any]:
     from modeltap.generate import check_can_generate
 
     check_can_generate(loaded.model)
-    tok = load_tokenizer(s.tokenizer or loaded.source.path, trust_remote_code=s.trust_remote_code)
+    where = s.tokenizer or loaded.source.path
+    try:
+        tok = load_tokenizer(where, trust_remote_code=s.trust_remote_code)
+    except InputError as exc:  # its hint names --input-file, which generate does not take
+        raise InputError(
+            f"no tokenizer at '{where}' to read the prompt and the new tokens; pass --tokenizer"
+        ) from exc
     return loaded, tok
 
 
 def _generative_class(s: Settings) -> str:
-    """AutoModelForImageTextToText with images, AutoModelForSeq2SeqLM for an encoder-decoder,
-    else AutoModelForCausalLM."""
+    """AutoModelForImageTextToText with images, AutoModelForSpeechSeq2Seq with audio,
+    AutoModelForSeq2SeqLM for an encoder-decoder, else AutoModelForCausalLM."""
     if s.images:
         return "AutoModelForImageTextToText"
+    if s.audio:
+        return "AutoModelForSpeechSeq2Seq"
     from modeltap.loading import resolve_model
 
     source = resolve_model(
@@ -255,13 +265,6 @@ def run_generate(s: Settings, *, json_out: bool, class_given: bool) -> None:
     # weights load; prompts alone go through the tokenizer (--chat: the tokenizer's template).
     if s.processor and not (s.images or s.audio):
         raise InputError("--processor takes image or audio FILEs; give some, or drop --processor")
-    if s.audio:
-        # Whisper's generate() runs one forward more than the tokens it returns and puts the
-        # start token among them: its steps would be shown one token off.
-        raise InputError(
-            "generate takes images, not audio, for now: a speech model's generate() numbers its "
-            "steps its own way; run the audio through `modeltap dump` instead"
-        )
     media = _processed_inputs(s) if s.images or s.audio else None
     options = decoding(s)
     name = Path(s.model.rstrip("/\\")).name or "model"
@@ -359,6 +362,7 @@ def run_compare_generate(
     import torch
 
     from modeltap.cli.app import stdout, write_atomically
+    from modeltap.cli.dump import _processed_inputs
     from modeltap.compare import make_candidate
     from modeltap.compare.generate import compare_generation
     from modeltap.compare.variants import compute_dtype, model_device
@@ -370,7 +374,7 @@ def run_compare_generate(
         **refused,
         "--input-file": s.input_file,
         "--train-mode": s.train_mode,
-        "an image or audio FILE": s.images or s.audio,
+        "an image FILE": s.images,
     }
     given = [flag for flag, value in refused.items() if value]
     if given:
@@ -386,6 +390,7 @@ def run_compare_generate(
             "reference sampled, and only a seeded reference run can be made again"
         )
     options_ = decoding(s)
+    media = _processed_inputs(s) if s.audio else None  # before the weights load
     err = stderr()
     with err.status(f"loading {s.model}"):
         loaded, tok = load_generator(s, class_given=class_given)
@@ -404,7 +409,7 @@ def run_compare_generate(
             check_same_architecture(loaded.model, other.model, s.map, (s.model, s.candidate))
             base = other.model
         candidate = make_candidate(base, variant, shared=s.candidate is None)
-    inputs = prompt_inputs(loaded.model, tok, s.texts, chat=s.chat)
+    inputs = media if media is not None else prompt_inputs(loaded.model, tok, s.texts, chat=s.chat)
     inputs = inputs.to(loaded.device, getattr(torch, loaded.dtype))
     options = dataclasses.replace(options, rename=s.map)
     with tempfile.TemporaryDirectory(prefix="modeltap-compare-") as tmp:

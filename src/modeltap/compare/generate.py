@@ -168,7 +168,7 @@ def compare_generation(
     first = steps.first_divergence
     at = leaving.step if leaving is not None else (first.step if first is not None else None)
     if at is not None:
-        forward = _forced_forward(reference, inputs, ref.new_ids, at)
+        forward = _forced_forward(reference, inputs, ref, at)
         replay_dir = work / f".replay-step{at}"
         replay_dir.mkdir(exist_ok=True)
         try:
@@ -188,26 +188,25 @@ def compare_generation(
     return result
 
 
-def _forced_forward(model: nn.Module, inputs: Inputs, new_ids: list[list[int]], step: int) -> Any:
+def _forced_forward(model: nn.Module, inputs: Inputs, reference: Generated, step: int) -> Any:
     """One forward, without a cache, over the prompt and the first `step` forced tokens: what
-    step `step` computes at its last position (an encoder-decoder: the decoder's inputs)."""
+    step `step` computes at its last position (an encoder-decoder: its decoder prompt, the start
+    and any forced tokens, then the forced ones; its encoder reads the inputs as they are)."""
     import torch
 
     from modeltap.loading import Inputs
 
     kwargs = dict(inputs.kwargs)
-    ids = kwargs.get("input_ids")
-    if ids is None:
-        raise InputError("compare --generate needs token ids (a TEXT prompt)")
-    forced = torch.tensor([row[:step] for row in new_ids], dtype=ids.dtype, device=ids.device)
+    forced = [row[:step] for row in reference.new_ids]
     if getattr(model.config, "is_encoder_decoder", False):
-        start = model.generation_config.decoder_start_token_id
-        if start is None:
-            start = model.config.decoder_start_token_id
-        first = torch.full((ids.shape[0], 1), int(start), dtype=ids.dtype, device=ids.device)
-        kwargs["decoder_input_ids"] = torch.cat([first, forced], dim=1)
+        rows = [p + f for p, f in zip(reference.decoder_prompt_ids, forced, strict=True)]
+        kwargs["decoder_input_ids"] = torch.tensor(rows, device=_device(kwargs))
     else:
-        kwargs["input_ids"] = torch.cat([ids, forced], dim=1)
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            raise InputError("compare --generate needs token ids (a TEXT prompt)")
+        tokens = torch.tensor(forced, dtype=ids.dtype, device=ids.device)
+        kwargs["input_ids"] = torch.cat([ids, tokens], dim=1)
         mask = kwargs.get("attention_mask")
         if mask is not None:
             ones = torch.ones(mask.shape[0], step, dtype=mask.dtype, device=mask.device)
@@ -215,3 +214,8 @@ def _forced_forward(model: nn.Module, inputs: Inputs, new_ids: list[list[int]], 
     kwargs["use_cache"] = False
     description = {**inputs.description, "forced_tokens": step}
     return Inputs(inputs.args, kwargs, description)
+
+
+def _device(kwargs: dict[str, Any]) -> Any:
+    """Where the inputs are (the encoder's ids or features): the decoder's ids go there too."""
+    return next((v.device for v in kwargs.values() if hasattr(v, "device")), None)

@@ -65,8 +65,9 @@ METADATA_KEYS = {
     "backend_details": "JSON: the backend's details (compile: backend, graphs, graph_breaks...)",
     "unmapped": "JSON list: selected modules that produced no value (never called, or unmappable)",
     # Written by modeltap generate (kind 'generation'; keys gen/step{k}/...):
-    "generate": "JSON: prompt, prompt_ids, new_ids, text, steps (token, p, runner-up), stop, "
-    "forwards, full_steps, plan, kv, decoding, generation_config",
+    "generate": "JSON: prompt, prompt_ids, decoder_prompt_ids (an encoder-decoder), new_ids, "
+    "text, steps (token, p, runner-up), stop, forwards, unstored_forwards, full_steps, plan, kv, "
+    "decoding, generation_config",
 }
 
 _DTYPES = {

@@ -7,11 +7,14 @@ Step 0 is the prompt's forward (the prefill; for an encoder-decoder the encoder'
 k the forward that takes the k-th new token, using the KV cache; step k chooses new token k + 1.
 Each step's keys are a one-forward dump's keys under `gen/step{k}/`, so a step read through
 `step_view` is an ordinary `Dump` that `show` and `diff` handle as they handle any dump. The number
-of steps is not known in advance: a step is a forward of the root module, counted as it starts.
+of steps is not known in advance: a step is a forward of generate's decoding loop, counted as it
+starts, and ends when generate appends its token. Steps are aligned by decoder positions, not by
+what generate returns: step 0 reads the P positions of the prompt (an encoder-decoder's decoder
+prompt: its start token and any forced ones, four for Whisper), step k ends at position P + k.
 
-Metadata `generate` (JSON): the prompt, its ids, the new ids and text of each row, each step's
-chosen token with its probability and the runner-up, which steps hold tensors, and why decoding
-stopped.
+Metadata `generate` (JSON): the prompt, its ids (an encoder-decoder's decoder prompt too), the new
+ids and text of each row, each step's chosen token with its probability and the runner-up, which
+steps hold tensors, forwards outside the loop, and why decoding stopped.
 """
 
 from modeltap.generate.keys import CACHE_MODULE, STEP_PREFIX, split_step, step_key

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modeltap.dump import DEFAULT_MAX_INFLIGHT, DumpWriter
-from modeltap.errors import RunError, first_line
+from modeltap.errors import InputError, RunError, first_line
 from modeltap.generate.keys import CACHE_MODULE, step_key
 from modeltap.generate.options import (
     Decoding,
@@ -39,6 +40,8 @@ class _StepSink:
         self.order: list[str] = []
         self.full_steps: list[int] = []
         self.devices: dict[str, str] = {}
+        # while a forward outside the decoding loop runs (Whisper's language detection)
+        self.paused = False
         self._held: list[tuple[str, Any]] | None = None
 
     def begin(self, step: int) -> None:
@@ -66,6 +69,8 @@ class _StepSink:
             self.writer.tensor(key, tensor)
 
     def tensor(self, key: str, tensor: torch.Tensor) -> None:
+        if self.paused:
+            return
         key = step_key(self.step, key)
         self.order.append(key)
         self.devices[key] = str(tensor.device)
@@ -75,6 +80,8 @@ class _StepSink:
             self.writer.tensor(key, tensor)
 
     def alias(self, key: str, target: str) -> None:
+        if self.paused:
+            return
         key = step_key(self.step, key)
         self.order.append(key)
         self.writer.alias(key, step_key(self.step, target))
@@ -90,6 +97,11 @@ class Generated:
     steps: list[dict[str, Any]]
     stop: str
     forwards: int
+    # an encoder-decoder's decoder prompt: its start token and any forced ones (Whisper's
+    # language, task and no-timestamps tokens), which step 0 reads and no step chooses
+    decoder_prompt_ids: list[list[int]] = field(default_factory=list)
+    # forwards outside the decoding loop (Whisper's language detection): run, not stored
+    unstored_forwards: int = 0
     path: Path | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -141,6 +153,11 @@ def generate_model(
     )
     sink = _StepSink(writer, plan)
     kwargs = {**inputs.kwargs, **decoding.generate_kwargs()}
+    if decoding.do_sample and "temperature" not in kwargs:
+        # the model's own temperature, named: Whisper's generate samples only when given one
+        # above 0 (it takes do_sample from the temperature), the others read the same value
+        config = getattr(model, "generation_config", None)
+        kwargs["temperature"] = getattr(config, "temperature", None) or 1.0
     if _takes(model, "logits_to_keep") and _logits_captured(model, modules):
         # every position's logits in the prefill, as a one-forward dump has them (generate asks
         # for the last only); a decoding step has one position either way
@@ -148,37 +165,41 @@ def generate_model(
     if forced is not None:
         kwargs["logits_processor"] = _forcing(forced)
     skipped: dict[str, str] = {}
+    loop = _Loop()
+    kwargs["stopping_criteria"] = loop.criteria()
     with writer, torch.random.fork_rng(devices=[]):
         torch.manual_seed(decoding.seed)
         sink.begin(0)
-        choices = _Choices()
         with (
             hooks(model, modules, sink) as rec,
-            _steps(model, sink, rec, choices, kv=kv, skipped=skipped),
+            _steps(model, sink, rec, loop, kv=kv, skipped=skipped),
         ):
             try:
                 with torch.no_grad():
-                    output = model.generate(*inputs.args, **kwargs)
+                    model.generate(*inputs.args, **kwargs)
             except (RuntimeError, ValueError, TypeError, IndexError) as exc:
                 raise RunError(
                     f"{type(model).__name__}.generate failed: {first_line(exc)}; check the "
                     "prompt and the decoding options (MODELTAP_DEBUG=1 shows the traceback)"
                 ) from exc
         sink.end()
-        sequences = output if isinstance(output, torch.Tensor) else output.sequences
-        choices.chosen(sequences[:, -1])
-        done = _generated(
-            model, inputs, sequences, choices.steps, tokenizer, decoding, forwards=sink.step + 1
-        )
+        if not loop.choices.steps:
+            raise RunError(
+                f"{type(model).__name__}.generate chose no token through transformers' decoding "
+                "loop, so modeltap has no step to number; dump one forward with `modeltap dump`"
+            )
+        done = _generated(model, inputs, loop, tokenizer, decoding, forwards=sink.step + 1)
         skipped.update({step_key(sink.step, k): v for k, v in rec.skipped.items()})
         gen_meta = {
             "prompt": inputs.description.get("texts"),
             "prompt_ids": done.prompt_ids,
+            **({"decoder_prompt_ids": done.decoder_prompt_ids} if done.decoder_prompt_ids else {}),
             "new_ids": done.new_ids,
             "text": done.texts,
             "steps": done.steps,
             "stop": done.stop,
             "forwards": done.forwards,
+            "unstored_forwards": done.unstored_forwards,
             "full_steps": sink.full_steps,
             "plan": plan.describe(),
             "kv": kv,
@@ -211,8 +232,8 @@ def generate_model(
 
 class _Choices:
     """Each step's chosen token, its probability and the runner-up, from the root's logits as each
-    step returns them. Only the latest step's distribution is held: the token it chose is known
-    when the next step starts (its new input) or, for the last, from the sequences at the end."""
+    step returns them. Only the latest step's distribution is held, until generate appends the
+    token it chose (`_Loop.criteria`)."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, Any]] = []
@@ -250,32 +271,102 @@ class _Choices:
         )
 
 
+@dataclass
+class _Loop:
+    """What the hooks learn of `generate`'s decoding loop while it runs.
+
+    A root forward is a decoding step only when `generate` prepared its inputs
+    (`prepare_inputs_for_generation`); another (Whisper's language detection, before the loop)
+    runs with nothing stored. A step ends when generate appends the token it chose, which a
+    stopping criterion that never stops sees, whatever `generate` returns afterwards (Whisper
+    returns its tokens without the decoder prompt and the EOS); the next decoding forward begins
+    the next step."""
+
+    choices: _Choices = field(default_factory=_Choices)
+    prepared: bool = False
+    chose: bool = False
+    # the recorder's naming state while a forward outside the loop runs
+    outside: Any = None
+    unstored: int = 0
+    # decoder positions after step 0 (the prompt, or an encoder-decoder's decoder prompt)
+    prompt_end: int | None = None
+    # the ids the loop started from: an encoder-decoder's decoder prompt
+    start_ids: list[list[int]] | None = None
+
+    def criteria(self) -> Any:
+        import torch
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        loop = self
+
+        class Chosen(StoppingCriteria):
+            def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> Any:
+                if loop.start_ids is None:
+                    loop.start_ids = input_ids[:, :-1].tolist()
+                loop.choices.chosen(input_ids[:, -1])
+                loop.chose = True
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        return StoppingCriteriaList([Chosen()])
+
+
 @contextmanager
 def _steps(
     model: nn.Module,
     sink: _StepSink,
     recorder: Any,
-    choices: _Choices,
+    loop: _Loop,
     *,
     kv: bool,
     skipped: dict[str, str],
 ) -> Iterator[None]:
-    """Count the root's forwards as steps (a pre-hook that runs before any module's hook of the
-    step); with `kv`, hand each step's new cache positions to the sink after its forward."""
-    calls = [0]
+    """Number the decoding loop's forwards as steps (a pre-hook that runs before any module's
+    hook of the step), aligned by decoder positions: step 0 consumes the P positions of the
+    prompt (an encoder-decoder's start and forced tokens), step k the token step k - 1 chose,
+    so its positions end at P + k; a forward that does not (the loop run again) is refused.
+    With `kv`, hand each step's new cache positions to the sink after its forward."""
+    method = "prepare_inputs_for_generation"
+    own = vars(model).get(method)
+    original = getattr(model, method)
+
+    @functools.wraps(original)
+    def prepare(*args: Any, **kwargs: Any) -> Any:
+        loop.prepared = True
+        return original(*args, **kwargs)
 
     def before(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        if calls[0]:
-            ids = kwargs.get("decoder_input_ids", kwargs.get("input_ids"))
-            choices.chosen(None if ids is None else ids[:, -1])
-            skipped.update({step_key(sink.step, k): v for k, v in recorder.skipped.items()})
-            recorder.skipped.clear()
-            recorder.next_pass()
-            sink.begin(sink.step + 1)
-        calls[0] += 1
+        if not loop.prepared:
+            loop.outside = recorder.mark()
+            loop.unstored += 1
+            sink.paused = True
+            return
+        loop.prepared = False
+        end = _decoder_end(args, kwargs)
+        if not loop.chose:
+            if sink.step == 0:  # the prefill (in chunks: several forwards)
+                loop.prompt_end = end
+            return
+        loop.chose = False
+        step = sink.step + 1
+        if end is not None and loop.prompt_end is not None and end != loop.prompt_end + step:
+            raise InputError(
+                f"{type(model).__name__}.generate ran its decoding loop again (step {step} ends "
+                f"at decoder position {end}, not {loop.prompt_end + step}); modeltap numbers "
+                "the steps of one loop: give a recording within the model's window, without "
+                "temperature fallback in its generation config"
+            )
+        skipped.update({step_key(sink.step, k): v for k, v in recorder.skipped.items()})
+        recorder.skipped.clear()
+        recorder.next_pass()
+        sink.begin(step)
 
     def after(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        choices.logits(output)
+        if loop.outside is not None:
+            recorder.rewind(loop.outside)
+            loop.outside = None
+            sink.paused = False
+            return
+        loop.choices.logits(output)
         if not kv:
             return
         cache = None
@@ -294,11 +385,29 @@ def _steps(
         model.register_forward_pre_hook(before, with_kwargs=True, prepend=True),
         model.register_forward_hook(after, with_kwargs=True),
     ]
+    setattr(model, method, prepare)
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+        if own is None:
+            delattr(model, method)
+        else:
+            setattr(model, method, own)
+
+
+def _decoder_end(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The decoder positions after this forward: those in its cache and those it adds (None
+    when the cache does not say, as a linear-attention one)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    past = 0
+    if cache is not None:
+        try:
+            past = int(cache.get_seq_length())
+        except (AttributeError, TypeError, ValueError):
+            return None
+    return past + _step_length(args, kwargs)
 
 
 def _forcing(forced: list[list[int]]) -> Any:
@@ -385,19 +494,18 @@ def _eos_ids(model: nn.Module) -> set[int]:
 def _generated(
     model: nn.Module,
     inputs: Inputs,
-    sequences: torch.Tensor,
-    choices: list[dict[str, Any]],
+    loop: _Loop,
     tokenizer: Any,
     decoding: Decoding,
     *,
     forwards: int,
 ) -> Generated:
-    """Ids, texts, each step's choice and probability, and the stopping reason."""
-    sequences = sequences.cpu()
+    """Ids (each step's chosen token), texts, each step's choice and probability, and the
+    stopping reason."""
     encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
     prompt = inputs.kwargs.get("input_ids")
-    start = 1 if encoder_decoder else (prompt.shape[1] if prompt is not None else 0)
-    new = sequences[:, start:]
+    choices = loop.choices.steps
+    new = [[step["token"][row] for step in choices] for row in range(len(choices[0]["token"]))]
     steps = []
     for step in choices:
         steps.append(
@@ -408,21 +516,25 @@ def _generated(
             }
         )
     eos = _eos_ids(model)
-    n = new.shape[1]
-    ended = bool(eos) and all(any(t in eos for t in row) for row in new.tolist())
-    if ended and (n < decoding.max_new_tokens or all(row[-1] in eos for row in new.tolist())):
+    n = len(new[0])
+    ended = bool(eos) and all(any(t in eos for t in row) for row in new)
+    if ended and (n < decoding.max_new_tokens or all(row[-1] in eos for row in new)):
         stop = "eos"
     elif n >= decoding.max_new_tokens:
         stop = "max_new_tokens"
     else:
         stop = "stopping_criteria"
     texts = (
-        [tokenizer.decode(row, skip_special_tokens=True) for row in new.tolist()]
+        [tokenizer.decode(row, skip_special_tokens=True) for row in new]
         if tokenizer is not None
         else []
     )
     prompt_ids = prompt.cpu().tolist() if prompt is not None else []
-    return Generated(prompt_ids, new.tolist(), texts, steps, stop, forwards)
+    return Generated(
+        prompt_ids, new, texts, steps, stop, forwards,
+        decoder_prompt_ids=(loop.start_ids or []) if encoder_decoder else [],
+        unstored_forwards=loop.unstored,
+    )  # fmt: skip
 
 
 def _decode_each(tokenizer: Any, ids: list[int]) -> list[str] | None:

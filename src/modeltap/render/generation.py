@@ -27,6 +27,9 @@ def generation_heading(dump: Dump, gen: dict[str, Any]) -> Text:
     text.append(f"{meta.get('device', '?')})\n")
     prompts = gen.get("prompt") or [None] * len(gen["new_ids"])
     texts = gen.get("text") or [None] * len(gen["new_ids"])
+    files = [f["file"] for f in json.loads(meta.get("inputs", "{}")).get("files", [])]
+    if files:
+        text.append(f"inputs: {', '.join(files)}\n")
     for row, (prompt, generated) in enumerate(zip(prompts, texts, strict=True)):
         label = f"[{row}] " if len(prompts) > 1 else ""
         text.append(f"{label}prompt: {prompt!r}\n" if prompt is not None else "")
@@ -40,8 +43,16 @@ def generation_heading(dump: Dump, gen: dict[str, Any]) -> Text:
         if decoding.get("do_sample")
         else "greedy"
     )
+    unstored = gen.get("unstored_forwards", 0)
+    # Whisper's language detection: a forward before the decoding loop, run but not stored
+    outside = (
+        f" (and {unstored} forward{'s' if unstored > 1 else ''} outside the decoding loop, "
+        "not stored)"
+        if unstored
+        else ""
+    )
     text.append(
-        f"{gen['forwards']} steps, {how}, stopped by {gen['stop']}; tensors: steps "
+        f"{gen['forwards']} steps{outside}, {how}, stopped by {gen['stop']}; tensors: steps "
         f"{_ranges(gen.get('full_steps', []))} (others: statistics)"
     )
     return text
