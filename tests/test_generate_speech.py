@@ -268,3 +268,14 @@ def test_a_second_decoding_loop_is_refused(speech: Path, tmp_path: Path) -> None
     with pytest.raises(InputError, match=r"ran its decoding loop again \(step 3 ends at decoder"):
         _generate(model, _features(processor, speech), tmp_path / "g.st", decoding=Decoding(3))
     assert list(tmp_path.glob("g.st*")) == []
+
+
+def test_cli_new_tokens_past_the_decoders_positions(whisper, speech: Path) -> None:  # noqa: ANN001
+    folder, model, _ = whisper
+    limit = model.config.max_target_positions
+    args = ["generate", str(folder), str(speech), "-o", "g.st", "--max-new-tokens", str(limit)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"at most {limit - 1} new ones fit" in lines[0], result.output
+    assert not Path("g.st").exists()

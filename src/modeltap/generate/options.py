@@ -152,11 +152,26 @@ def check_can_generate(model: nn.Module) -> None:
         )
 
 
+def check_decoder_length(model: nn.Module, max_new_tokens: int) -> None:
+    """An encoder-decoder's decoder starts from at least one token and has its own positions
+    (Whisper's `max_target_positions`, BART's `max_position_embeddings`; T5's are relative)."""
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_target_positions", None)
+    if not isinstance(limit, int):
+        limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and max_new_tokens + 1 > limit:
+        raise InputError(
+            f"{type(model).__name__}'s decoder has {limit} positions and starts from at least one "
+            f"token: at most {limit - 1} new ones fit; lower --max-new-tokens"
+        )
+
+
 def check_prompt_length(model: nn.Module, prompt_tokens: int, max_new_tokens: int) -> None:
     """The prompt and the new tokens must fit the model's positions (past them a learned position
     embedding fails with an index error deep inside the model)."""
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
+        check_decoder_length(model, max_new_tokens)
         return
     limit = getattr(config, "max_position_embeddings", None)
     if not isinstance(limit, int):

@@ -18,6 +18,7 @@ from modeltap.generate.options import (
     Decoding,
     StepPlan,
     check_can_generate,
+    check_decoder_length,
     check_prompt_length,
 )
 from modeltap.selection import Selection, select_modules
@@ -143,6 +144,8 @@ def generate_model(
     ids = inputs.kwargs.get("input_ids")
     if ids is not None:
         check_prompt_length(model, ids.shape[1], decoding.max_new_tokens)
+    else:  # audio or image features: only an encoder-decoder's decoder has positions to count
+        check_decoder_length(model, decoding.max_new_tokens)
     reserve = 4096 + _RESERVE_PER_MODULE * len(modules) * (decoding.max_new_tokens + 1)
     writer = DumpWriter(
         out,
