@@ -334,3 +334,22 @@ def test_one_pass_blocks_match_an_independent_float64_reference(monkeypatch, dty
         assert (got.units, got.dead) == (shape[-1], ref["dead"])
         if mask is not None:
             assert tensor_stats(x).dead == ref["dead"] - 1  # unit 3 lives in the padding
+
+
+def test_cpu_statistics_are_the_same_bits_whatever_torchs_thread_count():
+    """A dump takes large tensors' statistics in its writer thread and small ones in the caller;
+    `dump --compile --stats-only` on workers. The numbers must not depend on where (torch's
+    reductions split their work by thread count, and a second OpenMP team beside the model's slows
+    both): the CPU path reads the values with numpy, one core, whatever the setting."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 128, 3072) * 3.0 + 1.0  # 24 blocks of 2^17 elements
+    threads = torch.get_num_threads()
+    try:
+        seen = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            seen.append(tensor_stats(x, hist=True, count_zeros=True))
+            seen.append(tensor_stats(x.bfloat16()))
+    finally:
+        torch.set_num_threads(threads)
+    assert seen[0::2] == [seen[0]] * 3 and seen[1::2] == [seen[1]] * 3

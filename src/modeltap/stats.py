@@ -487,31 +487,34 @@ BLOCK = 1 << 17
 def _blocks(x: torch.Tensor, units: int | None) -> Iterator[tuple[Any, slice, slice]]:
     """(block, its rows, its columns) of x as a [rows, units] numpy array, in memory order: whole
     rows when a block holds at least one, else pieces of a row (a 1-D tensor is one row). The
-    block is a view where x is float32/float64 (a copy in a reused buffer otherwise)."""
+    block is a view where x is float32/float64, else a copy widened exactly into a reused buffer
+    (float32 for 16-bit floats, bool and small integers; float64 for wider integers)."""
+    import numpy as np
     import torch
 
     width = units or max(1, x.numel())
     x = x.reshape(-1, width)
-    if x.dtype in (torch.float32, torch.float64):
-        values = x.numpy()
-        work = None
+    bfloat = x.dtype == torch.bfloat16
+    if bfloat:  # numpy has no bfloat16: its bits are a float32's upper half
+        values = x.view(torch.int16).numpy().view(np.uint16)
     else:
-        values = None
-        # float32 is exact for 16-bit floats, bool and small integers; wider integers need float64
-        wide = x.dtype in (torch.int32, torch.int64, torch.uint32, torch.uint64)
-        work = torch.float64 if wide else torch.float32
+        values = x.numpy()
+    wide = x.dtype in (torch.int32, torch.int64, torch.uint32, torch.uint64)
+    work = None if values.dtype in (np.float32, np.float64) else np.float64 if wide else np.float32
     step = max(1, BLOCK // width)
     span = min(width, BLOCK)
     for start in range(0, x.shape[0], step):
         rows = slice(start, start + step)
         for first in range(0, width, span):
             columns = slice(first, first + span)
-            if values is not None:
-                block = values[rows, columns] if span < width else values[rows]
-            else:
-                piece = x[rows, columns]
-                into = _buffer("widened", work, piece.numel())[: piece.numel()].view(piece.shape)
-                block = into.copy_(piece).numpy()
+            block = values[rows, columns] if span < width else values[rows]
+            if work is not None:
+                into = _buffer("widened", work, block.size)[: block.size].reshape(block.shape)
+                if bfloat:
+                    np.left_shift(block, 16, out=into.view(np.uint32), dtype=np.uint32)
+                else:
+                    np.copyto(into, block, casting="unsafe")
+                block = into
             yield block, rows, columns
 
 
@@ -520,40 +523,53 @@ def _blocks(x: torch.Tensor, units: int | None) -> Iterator[tuple[Any, slice, sl
 _LOCAL = threading.local()
 
 
-def _buffer(use: str, dtype: torch.dtype, size: int) -> torch.Tensor:
-    import torch
+def _buffer(use: str, dtype: Any, size: int) -> Any:
+    import numpy as np
 
     buffers = getattr(_LOCAL, "buffers", None)
     if buffers is None:
         buffers = _LOCAL.buffers = {}
     key = (use, dtype, size > BLOCK)
     buffer = buffers.get(key)
-    if buffer is None or buffer.numel() < size:
-        buffer = buffers[key] = torch.empty(max(size, BLOCK), dtype=dtype)
+    if buffer is None or buffer.size < size:
+        buffer = buffers[key] = np.empty(max(size, BLOCK), dtype=dtype)
     return buffer
+
+
+# Rows a block's values are laid in for a sum: each of the block's 1/ROWS-long columns adds ROWS
+# values in turn, vectorised across columns (twice the speed of numpy's pairwise sum here), and
+# the column sums are then added pairwise. 32 values in turn round no worse than 32 float32
+# epsilons, and in practice as little as a pairwise sum (tests/test_stats.py compares with float64).
+_SUM_ROWS = 32
+
+
+def _sum(flat: Any) -> float:
+    """The sum of a 1-D numpy array on one core, whatever torch's thread count (so the same bits
+    in any thread, and no OpenMP team started beside the model's)."""
+    import numpy as np
+
+    whole = flat.size - flat.size % _SUM_ROWS
+    if not whole:
+        return float(flat.sum())
+    total = float(np.add.reduce(flat[:whole].reshape(_SUM_ROWS, -1), axis=0).sum())
+    return total + float(flat[whole:].sum()) if whole < flat.size else total
 
 
 def _block_pass(block: Any) -> tuple[float, float, float] | None:
     """(mean, centred square sum, min) of a finite block, each read while it is in cache;
-    None if it holds NaN/Inf or its sums overflow the dtype.
-
-    The sums are torch's (cascade summation, vectorised: 3x numpy's pairwise sum here); the
-    elementwise centring in numpy into a reused buffer, one rounding per operation."""
+    None if it holds NaN/Inf or its sums overflow the dtype. numpy only, on one core: the
+    elementwise centring into a reused buffer, one rounding per operation, and `_sum`."""
     import numpy as np
-    import torch
 
     count = block.size
-    flat = torch.from_numpy(block.reshape(-1)) if block.flags.c_contiguous else None
-    mean = float(flat.sum() if flat is not None else block.sum()) / count
+    mean = _sum(block.reshape(-1)) / count
     if not math.isfinite(mean):
         return None
-    work = torch.float64 if block.dtype == np.float64 else torch.float32
-    buffer = _buffer("centred", work, count)
-    centred = buffer[:count]
-    into = centred.numpy().reshape(block.shape)
+    centred = _buffer("centred", block.dtype, count)[:count]
+    into = centred.reshape(block.shape)
     np.subtract(block, block.dtype.type(mean), out=into)
     np.square(into, out=into)
-    m2 = float(centred.sum())
+    m2 = _sum(centred)
     if not math.isfinite(m2):
         return None
     return mean, m2, float(block.min())
