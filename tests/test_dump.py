@@ -427,9 +427,8 @@ def test_timeline_has_one_ordered_record_per_tensor(tmp_path, monkeypatch):
     log = tmp_path / "timeline.jsonl"
     monkeypatch.setenv("MODELTAP_TIMELINE", str(log))
     writer = _timeline_dump(tmp_path / "d.safetensors", monkeypatch)
-    dumps = timeline.read(log)
-    assert list(dumps) == [str(tmp_path / "d.safetensors")]
-    lines = dumps[str(tmp_path / "d.safetensors")]
+    (lines,) = timeline.read(log)
+    assert {line["dump"] for line in lines} == {str(tmp_path / "d.safetensors")}
     records = [r for r in lines if "key" in r]
     # one record per tensor stored (not per alias), each with its statistics and write
     assert sorted(r["key"] for r in records) == sorted(load_file(tmp_path / "d.safetensors"))
@@ -463,7 +462,7 @@ def test_timeline_of_final_tensors_names_the_workers(tmp_path, monkeypatch):
         writer.tensor("a", torch.randn(8, 16), final=True)
         writer.tensor("b", torch.randn(300, 40), final=True)
         writer.finish({})
-    records = [r for r in timeline.read(log)[str(tmp_path / "f.safetensors")] if "key" in r]
+    records = [r for r in timeline.read(log)[0] if "key" in r]
     assert {r["key"]: r["stats"][2] for r in records} == {"a": "final", "b": "final"}
     assert all(r["stats"][0] <= r["stats"][1] and "write" not in r for r in records)
 
@@ -473,3 +472,40 @@ def test_no_timeline_when_off(tmp_path, monkeypatch):
     writer = _timeline_dump(tmp_path / "d.safetensors", monkeypatch)
     assert writer._timeline is None
     assert [p.name for p in tmp_path.iterdir()] == ["d.safetensors"]
+
+
+def test_next_pass_does_the_small_tensors_and_lets_an_idle_thread_go(tmp_path, monkeypatch):
+    import threading
+
+    import modeltap.dump.writer as dump_module
+
+    monkeypatch.setattr(dump_module, "_THREAD_MIN_BYTES", 1024)
+    real_write = dump_module._write_at
+    gate = threading.Event()
+
+    def held_write(fd, tensor, position):
+        gate.wait(5)  # the disk is busy until the test lets it go
+        real_write(fd, tensor, position)
+
+    monkeypatch.setattr(dump_module, "_write_at", held_write)
+    g = torch.Generator().manual_seed(2)
+    tensors = {
+        "big": torch.randn(32, 32, generator=g),
+        "small": torch.randn(5, generator=g),
+        "big2": torch.randn(16, 64, generator=g),
+    }
+    with DumpWriter(tmp_path / "d.safetensors", max_inflight=1 << 16) as writer:
+        writer.tensor("big", tensors["big"])
+        writer.tensor("small", tensors["small"])
+        writer.next_pass()
+        assert "small" in writer.stats  # done now, not at the end
+        assert writer._pipeline is not None  # busy writing: left to finish
+        gate.set()
+        writer._pipeline.drain()
+        writer.next_pass()
+        assert writer._pipeline is None  # idle: gone
+        writer.tensor("big2", tensors["big2"])  # a new thread when one is needed
+        path = writer.finish({})
+    loaded = load_file(path)
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    assert writer.stats["big2"].norm == pytest.approx(float(tensors["big2"].double().norm()))

@@ -58,19 +58,22 @@ class Timeline:
     def span(self, record: dict[str, Any], what: str, start: float, thread: str) -> None:
         record[what] = [start, self.now(), thread]
 
-    def event(self, name: str, value: Any = None) -> None:
-        self.events[name] = self.now() if value is None else value
+    def event(self, name: str) -> None:
+        """The first time `name` happened (a writer settled by its owner settles again in
+        `finish`, with nothing left to do)."""
+        self.events.setdefault(name, self.now())
 
     def write(self, status: str) -> None:
-        """Append this dump's lines to the log (once)."""
-        if not self.records and not self.events:
+        """Append this dump's lines to the log, once (a writer aborted before any tensor, as a
+        recorded step in which the model never ran, leaves none)."""
+        if not self.records and (status != "done" or not self.events):
             return
         name = str(self.dump)
         lines = [json.dumps({"dump": name, **_rounded(r)}) for r in self.records]
         end = {"dump": name, "event": "end", "status": status, "end": self.now(), **self.events}
         lines.append(json.dumps(_rounded(end)))
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "a") as f:
+        with open(self.log, "a") as f:  # one write: a dump's lines stay together
             f.write("\n".join(lines) + "\n")
         self.records, self.events = [], {}
 
@@ -86,13 +89,17 @@ def _rounded(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read(path: str | os.PathLike[str]) -> dict[str, list[dict[str, Any]]]:
-    """The log's lines grouped by dump, in the order they were written (the `end` line last)."""
-    dumps: dict[str, list[dict[str, Any]]] = {}
+def read(path: str | os.PathLike[str]) -> list[list[dict[str, Any]]]:
+    """The log's dumps in the order they ended, each its lines (the `end` line last); a file
+    written twice (a recorded run's step files overwritten) is two dumps."""
+    dumps: list[list[dict[str, Any]]] = []
+    current: list[dict[str, Any]] = []
     for line in Path(path).read_text().splitlines():
         if line.strip():
-            record = json.loads(line)
-            dumps.setdefault(record["dump"], []).append(record)
+            current.append(json.loads(line))
+            if current[-1].get("event") == "end":
+                dumps.append(current)
+                current = []
     return dumps
 
 

@@ -40,10 +40,16 @@ class _StepSink:
         self.full_steps: list[int] = []
         self.devices: dict[str, str] = {}
         self._held: list[tuple[str, Any]] | None = None
+        self._prefix = step_key(0, "")
+        self._device_names: dict[Any, str] = {}
 
     def begin(self, step: int) -> None:
         self._release(full=False)
+        if step > 0:
+            # the last step's small tensors in one batch, and no idle writer thread left behind
+            self.writer.next_pass()
         self.step = step
+        self._prefix = step_key(step, "")
         full = self.plan.full(step)
         if full is None:
             self._held = []
@@ -66,9 +72,13 @@ class _StepSink:
             self.writer.tensor(key, tensor)
 
     def tensor(self, key: str, tensor: torch.Tensor) -> None:
-        key = step_key(self.step, key)
+        key = self._prefix + key  # step_key(self.step, key)
         self.order.append(key)
-        self.devices[key] = str(tensor.device)
+        device = tensor.device
+        name = self._device_names.get(device)
+        if name is None:
+            name = self._device_names[device] = str(device)
+        self.devices[key] = name
         if self._held is not None:
             self._held.append((key, tensor.detach().clone()))
         else:
