@@ -90,7 +90,7 @@ def main() -> None:
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
         kind = "stats-only dump" if args.stats_only else "dump"
         print(f"{args.model} {kind}, torch {torch.get_num_threads()} threads, load {load}")
-        for run, lines in enumerate(timeline.read(log).values()):
+        for run, lines in enumerate(timeline.read(log)):
             show(timeline.summary(lines), f"run {run + 1}", plain[run])
 
 
