@@ -398,3 +398,114 @@ def test_final_tensors_get_their_statistics_from_the_workers(tmp_path):
     assert got["small"].dead == int((tensors["small"][mask.bool()].amax(0) <= 0).sum())
     assert got["nan"] == tensor_stats(tensors["nan"])  # NaN/Inf: the finite values' moments
     assert (got["nan"].nan, got["nan"].inf, got["nan"].mean) == (1, 1, -0.5)
+
+
+def _timeline_dump(path, monkeypatch, **kwargs):
+    """A dump with tensors of every route: deferred (small), the writer thread, inline (larger
+    than the thread's buffer) and `final` (stats-only workers)."""
+    import modeltap.dump.writer as dump_module
+
+    monkeypatch.setattr(dump_module, "_THREAD_MIN_BYTES", 4096)
+    g = torch.Generator().manual_seed(7)
+    tensors = {
+        "small": torch.randn(3, 5, generator=g),
+        "small2": torch.randn(7, generator=g),
+        "threaded": torch.randn(4, 64, 16, generator=g),
+        "inline": torch.randn(64, 300, generator=g),  # 76,800 bytes: more than the buffer
+    }
+    with DumpWriter(path, max_inflight=1 << 16, **kwargs) as writer:
+        for key, value in tensors.items():
+            writer.tensor(key, value)
+        writer.alias("again", "small")
+        writer.finish({})
+    return writer
+
+
+def test_timeline_has_one_ordered_record_per_tensor(tmp_path, monkeypatch):
+    from modeltap.dump import timeline
+
+    log = tmp_path / "timeline.jsonl"
+    monkeypatch.setenv("MODELTAP_TIMELINE", str(log))
+    writer = _timeline_dump(tmp_path / "d.safetensors", monkeypatch)
+    (lines,) = timeline.read(log)
+    assert {line["dump"] for line in lines} == {str(tmp_path / "d.safetensors")}
+    records = [r for r in lines if "key" in r]
+    # one record per tensor stored (not per alias), each with its statistics and write
+    assert sorted(r["key"] for r in records) == sorted(load_file(tmp_path / "d.safetensors"))
+    assert sorted(r["key"] for r in records) == sorted(writer.stats)
+    routes = {r["key"]: r["stats"][2] for r in records}
+    assert routes == {
+        "small": "deferred", "small2": "deferred", "threaded": "writer", "inline": "main"
+    }
+    end = lines[-1]
+    assert end["event"] == "end" and end["status"] == "done"
+    assert 0 <= end["enter"] <= end["settle"] <= end["settled"] <= end["end"]
+    for r in records:
+        assert end["enter"] <= r["hook"], r
+        for what in ("copy", "wait", "stats", "write"):
+            if what in r:
+                start, stop, _ = r[what]
+                assert r["hook"] <= start <= stop <= end["end"], (what, r)
+        assert "stats" in r and "write" in r, r
+    assert r["bytes"] == 64 * 300 * 4
+    figures = timeline.summary(lines)
+    assert figures["tensors"] == 4
+    assert set(figures["busy"]) == {"main", "writer", "deferred"}
+
+
+def test_timeline_of_final_tensors_names_the_workers(tmp_path, monkeypatch):
+    from modeltap.dump import timeline
+
+    log = tmp_path / "timeline.jsonl"
+    monkeypatch.setenv("MODELTAP_TIMELINE", str(log))
+    with DumpWriter(tmp_path / "f.safetensors", stats_only=True) as writer:
+        writer.tensor("a", torch.randn(8, 16), final=True)
+        writer.tensor("b", torch.randn(300, 40), final=True)
+        writer.finish({})
+    records = [r for r in timeline.read(log)[0] if "key" in r]
+    assert {r["key"]: r["stats"][2] for r in records} == {"a": "final", "b": "final"}
+    assert all(r["stats"][0] <= r["stats"][1] and "write" not in r for r in records)
+
+
+def test_no_timeline_when_off(tmp_path, monkeypatch):
+    monkeypatch.delenv("MODELTAP_TIMELINE", raising=False)
+    writer = _timeline_dump(tmp_path / "d.safetensors", monkeypatch)
+    assert writer._timeline is None
+    assert [p.name for p in tmp_path.iterdir()] == ["d.safetensors"]
+
+
+def test_next_pass_does_the_small_tensors_and_lets_an_idle_thread_go(tmp_path, monkeypatch):
+    import threading
+
+    import modeltap.dump.writer as dump_module
+
+    monkeypatch.setattr(dump_module, "_THREAD_MIN_BYTES", 1024)
+    real_write = dump_module._write_at
+    gate = threading.Event()
+
+    def held_write(fd, tensor, position):
+        gate.wait(5)  # the disk is busy until the test lets it go
+        real_write(fd, tensor, position)
+
+    monkeypatch.setattr(dump_module, "_write_at", held_write)
+    g = torch.Generator().manual_seed(2)
+    tensors = {
+        "big": torch.randn(32, 32, generator=g),
+        "small": torch.randn(5, generator=g),
+        "big2": torch.randn(16, 64, generator=g),
+    }
+    with DumpWriter(tmp_path / "d.safetensors", max_inflight=1 << 16) as writer:
+        writer.tensor("big", tensors["big"])
+        writer.tensor("small", tensors["small"])
+        writer.next_pass()
+        assert "small" in writer.stats  # done now, not at the end
+        assert writer._pipeline is not None  # busy writing: left to finish
+        gate.set()
+        writer._pipeline.drain()
+        writer.next_pass()
+        assert writer._pipeline is None  # idle: gone
+        writer.tensor("big2", tensors["big2"])  # a new thread when one is needed
+        path = writer.finish({})
+    loaded = load_file(path)
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    assert writer.stats["big2"].norm == pytest.approx(float(tensors["big2"].double().norm()))

@@ -293,9 +293,14 @@ class _DeviceLog:
     def __init__(self, writer: DumpWriter) -> None:
         self.writer = writer
         self.devices: dict[str, str] = {}
+        self._names: dict[Any, str] = {}  # str(device) costs more than the rest of this
 
     def tensor(self, key: str, tensor: Any, **kwargs: Any) -> None:
-        self.devices[key] = str(tensor.device)
+        device = tensor.device
+        name = self._names.get(device)
+        if name is None:
+            name = self._names[device] = str(device)
+        self.devices[key] = name
         self.writer.tensor(key, tensor, **kwargs)
 
     def alias(self, key: str, target: str) -> None:

@@ -44,10 +44,16 @@ class _StepSink:
         # while a forward outside the decoding loop runs (Whisper's language detection)
         self.paused = False
         self._held: list[tuple[str, Any]] | None = None
+        self._prefix = step_key(0, "")
+        self._device_names: dict[Any, str] = {}
 
     def begin(self, step: int) -> None:
         self._release(full=False)
+        if step > 0:
+            # the last step's small tensors in one batch, and no idle writer thread left behind
+            self.writer.next_pass()
         self.step = step
+        self._prefix = step_key(step, "")
         full = self.plan.full(step)
         if full is None:
             self._held = []
@@ -72,9 +78,13 @@ class _StepSink:
     def tensor(self, key: str, tensor: torch.Tensor) -> None:
         if self.paused:
             return
-        key = step_key(self.step, key)
+        key = self._prefix + key  # step_key(self.step, key)
         self.order.append(key)
-        self.devices[key] = str(tensor.device)
+        device = tensor.device
+        name = self._device_names.get(device)
+        if name is None:
+            name = self._device_names[device] = str(device)
+        self.devices[key] = name
         if self._held is not None:
             self._held.append((key, tensor.detach().clone()))
         else:
