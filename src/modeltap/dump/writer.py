@@ -231,10 +231,11 @@ class DumpWriter:
         """Take `tensor`'s statistics and bytes as they are now (the model may change it in place
         as soon as this returns).
 
-        Small tensors are done here and now, written at their offset. A large one (or any CUDA
-        tensor) is copied into a reused buffer of at most `max_inflight` bytes (pinned for CUDA)
-        and left to the writer thread; when the buffer is full this waits (back-pressure). One
-        bigger than the whole buffer is done here too.
+        A small CPU tensor is copied and done later with others, in one batch (`batch_stats`,
+        one write), when they add up to a megabyte, at `next_pass` or at `settle`. A large one
+        (or any CUDA tensor) is copied into a reused buffer of at most `max_inflight` bytes
+        (pinned for CUDA) and left to the writer thread; when the buffer is full this waits
+        (back-pressure). One bigger than the whole buffer is done here and now.
 
         `final`: nothing changes the tensor any more (it comes from a finished forward, as the
         compile backend's do): a stats-only dump then reads it where it is, with no copy, in one

@@ -267,7 +267,7 @@ class Recording:
         self._step_ran = False  # the same on every rank, unlike what each rank writes
         self._writer: DumpWriter | None = None
         self._recorder: Recorder | None = None
-        self._grad_keys: list[str] = []
+        self._grad_keys: dict[str, None] = {}  # in the order they fired (looked up per gradient)
         self._grad_hooked: list[str] = []
         self._grad_aliases: dict[str, str] = {}
         self._param_keys: list[str] = []
@@ -937,7 +937,7 @@ class _StepSink:
                     if scale is not None:
                         grad = grad / scale  # what the optimizer sees once the scaler unscales
                     owner._writer.tensor(GRAD_PREFIX + key, grad, count_zeros=True)
-                    owner._grad_keys.append(key)
+                    owner._grad_keys[key] = None
 
         return hook
 
