@@ -1,0 +1,313 @@
+"""The timing harness of issue #22: two sides of a workload (bare code, modeltap), paired runs.
+
+One function, `measure(cases_module, case, method, pairs)`, takes a figure two ways:
+
+  fresh (issue #22's method, `Method()`): every timed run is one call in its own new process,
+      which is what a user pays for one `modeltap dump` (or one recorded step, or one
+      generation). In that process the workload is built and the modules the call needs are
+      imported (both untimed); then the previous run's output is removed and `os.sync()` called
+      (untimed), and the call alone is timed: for a dump, from the forward to the file written and
+      closed (for modeltap: renamed into place), nothing after. Pairs of processes alternate
+      (bare then modeltap, modeltap then bare, ...) after one warm-up pair that is not counted
+      (it brings the libraries into the page cache and leaves each side a file of its own).
+  in-process (scripts/bench_perf.py before issue #22, `IN_PROCESS`): one process builds the
+      workload, calls each side once to warm up, then alternates bare, modeltap, bare, ...; each
+      output is overwritten in place (the same path every run) and `os.sync()` is called before
+      each timed call.
+
+The figure is the median of the pairs' ratios (modeltap / the bare run of the same pair): this
+2-core machine's speed drifts by 10-30% over seconds, which a ratio of two medians takes in. Each
+run also records CPU seconds (user, system), page faults, context switches and the 1-minute load
+average when it started, so that a difference between methods can be traced to its cause.
+
+`Method`'s fields toggle the two methods' differences one at a time (bench_fresh_factors.py).
+A cases module defines `CASES: dict[str, Case]` and passes `--harness-child` to `child_main`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SIDES = ("bare", "ours")
+# Intra-op threads of the measured processes (the issue measured with 2).
+THREADS = int(os.environ.get("MODELTAP_BENCH_THREADS", "2"))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One figure: `setup()` builds the workload (untimed) and returns its state; `bare(state,
+    path)` and `ours(state, path)` are the two timed calls, each writing (if anything) to `path`,
+    a file or a folder of its own. `imports` are imported before anything is timed."""
+
+    label: str
+    setup: Callable[[], Any]
+    bare: Callable[[Any, Path], None]
+    ours: Callable[[Any, Path], None]
+    target: float | None = None
+    imports: tuple[str, ...] = ()
+    unit: str = "s"
+
+
+@dataclass(frozen=True)
+class Method:
+    """How a figure is taken; the defaults are issue #22's fresh-process method."""
+
+    fresh: bool = True  # each timed run in a new process (else one process, sides alternating)
+    # What the process runs before its timed call: "none" (the timed call is its first),
+    # "threads" (one parallel matmul: the intra-op thread pool started), "bare" (one call of the
+    # bare side: the model's first forward, allocator, thread pool), "call" (the same call).
+    warm: str = "none"
+    remove: bool = True  # the previous run's output removed first (else overwritten in place)
+    sync: bool = True  # os.sync() right before each timed call (outside the timing)
+    alternate: bool = True  # pairs alternate bare-first and modeltap-first (else bare first)
+    # Timed runs in each fresh process (a pair's ratio is then that of the two processes'
+    # medians); 1: the timed call is the process's only one, and its first unless `warm`.
+    runs: int = 1
+    # Environment of the measured processes, e.g. glibc's malloc tunables: (("NAME", "value"),)
+    env: tuple[tuple[str, str], ...] = ()
+
+    def describe(self) -> str:
+        where = "one process"
+        if self.fresh:
+            where = "a fresh process per run" if self.runs == 1 else f"{self.runs} runs a process"
+        return (
+            f"{where}, warm-up {self.warm}, "
+            f"output {'removed' if self.remove else 'overwritten'}, "
+            f"{'sync before' if self.sync else 'no sync'}, "
+            f"{'alternating order' if self.alternate else 'bare first'}"
+            + "".join(f", {k}={v}" for k, v in self.env)
+        )
+
+
+IN_PROCESS = Method(fresh=False, warm="call", remove=False, sync=True, alternate=False)
+# Issue #22's harness as it describes itself: each side in a process of its own, a warm-up call
+# and 5 timed runs, output removed and os.sync() first, pairs of processes alternating.
+ISSUE = Method(warm="call", runs=5)
+
+
+@dataclass
+class Run:
+    side: str
+    wall: float
+    user: float
+    sys: float
+    minflt: int
+    majflt: int
+    nivcsw: int  # involuntary context switches: other processes taking this one's cores
+    load: float  # 1-minute load average when the run started
+    size: int = 0  # bytes of output
+
+
+@dataclass
+class Result:
+    case: str
+    method: Method
+    bare: list[Run] = field(default_factory=list)
+    ours: list[Run] = field(default_factory=list)
+
+    @property
+    def ratios(self) -> list[float]:
+        """Each pair's ratio: of two runs, or of two processes' medians (`Method.runs`)."""
+        n = self.method.runs if self.method.fresh else 1
+        pairs = range(0, len(self.bare), n)
+        med = statistics.median
+        return [
+            med(r.wall for r in self.ours[i : i + n]) / med(r.wall for r in self.bare[i : i + n])
+            for i in pairs
+        ]
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.ratios)
+
+    def median(self, side: str, attr: str = "wall") -> float:
+        return statistics.median(getattr(r, attr) for r in getattr(self, side))
+
+    @property
+    def load(self) -> tuple[float, float]:
+        loads = [r.load for r in self.bare + self.ours]
+        return min(loads), max(loads)
+
+
+# ---- inside a measured process -------------------------------------------------------------
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size if path.exists() else 0
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _timed(case: Case, side: str, state: Any, path: Path, method: Method) -> Run:
+    if method.remove:
+        _remove(path)
+    if method.sync:
+        # No dirty pages when the run starts: otherwise the kernel's writeback of what the
+        # previous run wrote lands in this one, which then measures the disk's backlog.
+        os.sync()
+    load = os.getloadavg()[0]
+    call = case.bare if side == "bare" else case.ours
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    start = time.perf_counter()
+    call(state, path)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return Run(
+        side,
+        wall,
+        after.ru_utime - before.ru_utime,
+        after.ru_stime - before.ru_stime,
+        after.ru_minflt - before.ru_minflt,
+        after.ru_majflt - before.ru_majflt,
+        after.ru_nivcsw - before.ru_nivcsw,
+        load,
+        _size(path),
+    )
+
+
+def child_main(cases: dict[str, Case], spec: str) -> None:
+    """Entry point of a measured process: build the case, warm up as told, time the runs in
+    `sides` order `rounds` times; print the runs as one JSON line."""
+    import torch
+
+    args = json.loads(spec)
+    method = Method(**{**args["method"], "env": tuple(map(tuple, args["method"]["env"]))})
+    case = cases[args["case"]]
+    folder = Path(args["folder"])
+    torch.set_num_threads(THREADS)
+    state = case.setup()
+    for name in case.imports:
+        importlib.import_module(name)
+    paths = {side: folder / f"{side}.out" for side in SIDES}
+    if method.warm == "threads":
+        a = torch.ones(512, 512)
+        for _ in range(3):
+            a @ a
+    elif method.warm in ("bare", "call"):
+        for side in args["sides"]:  # to the side's own path, which the timed run then finds
+            warm = case.bare if method.warm == "bare" or side == "bare" else case.ours
+            _remove(paths[side])  # a folder where `warm` writes a file, or the other way
+            warm(state, paths[side])
+    runs = []
+    for i in range(args["rounds"]):
+        sides = args["sides"][:: -1 if method.alternate and i % 2 else 1]
+        for side in sides:
+            runs.append(asdict(_timed(case, side, state, paths[side], method)))
+    print(json.dumps(runs))
+
+
+# ---- the parent ----------------------------------------------------------------------------
+
+
+def _child(
+    script: str, case: str, method: Method, sides: list[str], rounds: int, folder: Path
+) -> list[Run]:
+    spec = {
+        "case": case,
+        "method": asdict(method),
+        "sides": sides,
+        "rounds": rounds,
+        "folder": str(folder),
+    }
+    cmd = [sys.executable, script, "--harness-child", json.dumps(spec)]
+    env = {**os.environ, **dict(method.env)}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise SystemExit(f"child {spec} failed:\n{done.stderr[-3000:]}")
+    return [Run(**r) for r in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+def measure(
+    script: str, case: str, method: Method, pairs: int, *, progress: bool = False
+) -> Result:
+    """`pairs` paired runs of `case` (defined by the module `script`) taken by `method`."""
+    result = Result(case, method)
+    tmp = os.environ.get("MODELTAP_BENCH_DIR")  # where outputs go (default $TMPDIR)
+    with tempfile.TemporaryDirectory(dir=tmp) as name:
+        folder = Path(name)
+        if not method.fresh:
+            order = ["bare", "ours"]
+            for run in _child(script, case, method, order, pairs, folder):
+                getattr(result, run.side).append(run)
+            return result
+        for side in SIDES:  # the warm-up pair, not counted
+            _child(script, case, method, [side], 1, folder)
+        for i in range(pairs):
+            order = list(SIDES) if not method.alternate or i % 2 == 0 else list(SIDES[::-1])
+            for side in order:
+                runs = _child(script, case, method, [side], method.runs, folder)
+                getattr(result, side).extend(runs)
+            if progress:
+                print(
+                    f"  {case} pair {i + 1}/{pairs}: bare {result.bare[-1].wall:.3f} s, "
+                    f"modeltap {result.ours[-1].wall:.3f} s, load {result.bare[-1].load:.2f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return result
+
+
+def row(name: str, result: Result, unit: str = "s", target: float | None = None) -> str:
+    """A markdown row: name | bare | modeltap | ratio [range] | target | load | CPU | faults."""
+    scale = 1e3 if unit == "ms" else 1.0
+    ratios = result.ratios
+    mark = ""
+    if target is not None:
+        mark = f"<= {target}: {'met' if result.ratio <= target else 'MISSED'}"
+    cpu = {s: result.median(s, "user") + result.median(s, "sys") for s in SIDES}
+    sys_s = {s: result.median(s, "sys") for s in SIDES}
+    faults = {s: result.median(s, "minflt") / 1e3 for s in SIDES}
+    lo, hi = result.load
+    size = result.median("ours", "size") / 1e6
+    if size > 1:
+        name += f" ({size:.0f} MB)"
+    return (
+        f"| {name} | {result.median('bare') * scale:.3g} {unit} "
+        f"| {result.median('ours') * scale:.3g} {unit} "
+        f"| {result.ratio:.2f} [{min(ratios):.2f}-{max(ratios):.2f}] "
+        f"({result.median('ours') / result.median('bare'):.2f}) | {mark} | {lo:.2f}-{hi:.2f} "
+        f"| {cpu['bare'] * scale:.3g} / {cpu['ours'] * scale:.3g} "
+        f"(sys {sys_s['bare'] * scale:.2g} / {sys_s['ours'] * scale:.2g}) "
+        f"| {faults['bare']:.0f}k / {faults['ours']:.0f}k |"
+    )
+
+
+HEADER = (
+    "| figure | bare | modeltap | ratio: median of pairs [range] (of medians) | target "
+    "| load avg | CPU bare / modeltap | minor faults |\n|---|---|---|---|---|---|---|---|"
+)
+
+
+def save_runs(path: str | None, results: list[Result]) -> None:
+    """Every run of every figure, as JSON, for a closer look."""
+    if path:
+        data = [
+            {
+                "case": r.case,
+                "method": asdict(r.method),
+                "bare": [asdict(x) for x in r.bare],
+                "ours": [asdict(x) for x in r.ours],
+            }
+            for r in results
+        ]
+        Path(path).write_text(json.dumps(data, indent=1))
