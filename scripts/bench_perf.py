@@ -155,7 +155,9 @@ def bare_dump(model, batch, path):
         # save_file refuses tensors that share memory: copy a view of memory already kept.
         unique[key] = t.clone() if storage in storages else t.contiguous()
         storages.add(storage)
+    start = time.perf_counter()
     save_file(unique, str(path))
+    return {"save_file": time.perf_counter() - start}  # the part of the run spent writing
 
 
 def bare_grads(model, batch):
@@ -203,7 +205,7 @@ def baseline(figure, model, batch, path):
     if figure == "capture":
         bare_capture(model, batch)
     elif figure == "dump":
-        bare_dump(model, batch, path)
+        return bare_dump(model, batch, path)
     elif figure == "stats":
         plain_forward(model, batch)
     else:

@@ -1,15 +1,18 @@
 """The timing harness of issue #22: two sides of a workload (bare code, modeltap), paired runs.
 
-One function, `measure(cases_module, case, method, pairs)`, takes a figure two ways:
+One function, `measure(script, case, method, pairs)`, takes any figure any of these ways:
 
-  fresh (issue #22's method, `Method()`): every timed run is one call in its own new process,
-      which is what a user pays for one `modeltap dump` (or one recorded step, or one
-      generation). In that process the workload is built and the modules the call needs are
-      imported (both untimed); then the previous run's output is removed and `os.sync()` called
-      (untimed), and the call alone is timed: for a dump, from the forward to the file written and
-      closed (for modeltap: renamed into place), nothing after. Pairs of processes alternate
-      (bare then modeltap, modeltap then bare, ...) after one warm-up pair that is not counted
-      (it brings the libraries into the page cache and leaves each side a file of its own).
+  fresh (`Method()`, what bench_perf.py --fresh reports): every timed run is one call in its
+      own new process, which is what a user pays for one `modeltap dump` (or one recorded
+      step, or one generation). In that process the workload is built and the modules the call
+      needs are imported (both untimed); then the previous run's output is removed and
+      `os.sync()` called (untimed), and the call alone is timed: for a dump, from the forward
+      to the file written and closed (for modeltap: renamed into place), nothing after. Pairs
+      of processes alternate (bare then modeltap, modeltap then bare, ...) after one warm-up
+      pair that is not counted (it brings the libraries into the page cache and leaves each
+      side a file of its own).
+  issue #22's own (`ISSUE`): the same, but each process calls its side once to warm up and then
+      times 5 runs; a pair's ratio is that of the two processes' medians.
   in-process (scripts/bench_perf.py before issue #22, `IN_PROCESS`): one process builds the
       workload, calls each side once to warm up, then alternates bare, modeltap, bare, ...; each
       output is overwritten in place (the same path every run) and `os.sync()` is called before
@@ -21,7 +24,8 @@ run also records CPU seconds (user, system), page faults, context switches and t
 average when it started, so that a difference between methods can be traced to its cause.
 
 `Method`'s fields toggle the two methods' differences one at a time (bench_fresh_factors.py).
-A cases module defines `CASES: dict[str, Case]` and passes `--harness-child` to `child_main`.
+`script` defines `CASES: dict[str, Case]` and hands its `--harness-child` argument to
+`child_main` (bench_perf.py does).
 """
 
 from __future__ import annotations
@@ -50,12 +54,13 @@ THREADS = int(os.environ.get("MODELTAP_BENCH_THREADS", "2"))
 class Case:
     """One figure: `setup()` builds the workload (untimed) and returns its state; `bare(state,
     path)` and `ours(state, path)` are the two timed calls, each writing (if anything) to `path`,
-    a file or a folder of its own. `imports` are imported before anything is timed."""
+    a file or a folder of its own, and returning None or the seconds of some of its parts.
+    `imports` are imported before anything is timed."""
 
     label: str
     setup: Callable[[], Any]
-    bare: Callable[[Any, Path], None]
-    ours: Callable[[Any, Path], None]
+    bare: Callable[[Any, Path], dict[str, float] | None]
+    ours: Callable[[Any, Path], dict[str, float] | None]
     target: float | None = None
     imports: tuple[str, ...] = ()
     unit: str = "s"
@@ -109,6 +114,7 @@ class Run:
     nivcsw: int  # involuntary context switches: other processes taking this one's cores
     load: float  # 1-minute load average when the run started
     size: int = 0  # bytes of output
+    parts: dict[str, float] = field(default_factory=dict)  # seconds of parts, if the call says
 
 
 @dataclass
@@ -120,13 +126,16 @@ class Result:
 
     @property
     def ratios(self) -> list[float]:
+        """Each pair's ratio of wall seconds."""
+        return self.pair_ratios(lambda r: r.wall)
+
+    def pair_ratios(self, of: Callable[[Run], float]) -> list[float]:
         """Each pair's ratio: of two runs, or of two processes' medians (`Method.runs`)."""
         n = self.method.runs if self.method.fresh else 1
-        pairs = range(0, len(self.bare), n)
         med = statistics.median
         return [
-            med(r.wall for r in self.ours[i : i + n]) / med(r.wall for r in self.bare[i : i + n])
-            for i in pairs
+            med(map(of, self.ours[i : i + n])) / med(map(of, self.bare[i : i + n]))
+            for i in range(0, len(self.bare), n)
         ]
 
     @property
@@ -169,7 +178,7 @@ def _timed(case: Case, side: str, state: Any, path: Path, method: Method) -> Run
     call = case.bare if side == "bare" else case.ours
     before = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
-    call(state, path)
+    parts = call(state, path)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF)
     return Run(
@@ -182,6 +191,7 @@ def _timed(case: Case, side: str, state: Any, path: Path, method: Method) -> Run
         after.ru_nivcsw - before.ru_nivcsw,
         load,
         _size(path),
+        parts or {},
     )
 
 
@@ -275,6 +285,7 @@ def row(name: str, result: Result, unit: str = "s", target: float | None = None)
     if target is not None:
         mark = f"<= {target}: {'met' if result.ratio <= target else 'MISSED'}"
     cpu = {s: result.median(s, "user") + result.median(s, "sys") for s in SIDES}
+    cpu_ratio = statistics.median(result.pair_ratios(lambda r: r.user + r.sys))
     sys_s = {s: result.median(s, "sys") for s in SIDES}
     faults = {s: result.median(s, "minflt") / 1e3 for s in SIDES}
     lo, hi = result.load
@@ -286,7 +297,7 @@ def row(name: str, result: Result, unit: str = "s", target: float | None = None)
         f"| {result.median('ours') * scale:.3g} {unit} "
         f"| {result.ratio:.2f} [{min(ratios):.2f}-{max(ratios):.2f}] "
         f"({result.median('ours') / result.median('bare'):.2f}) | {mark} | {lo:.2f}-{hi:.2f} "
-        f"| {cpu['bare'] * scale:.3g} / {cpu['ours'] * scale:.3g} "
+        f"| {cpu['bare'] * scale:.3g} / {cpu['ours'] * scale:.3g} = {cpu_ratio:.2f} "
         f"(sys {sys_s['bare'] * scale:.2g} / {sys_s['ours'] * scale:.2g}) "
         f"| {faults['bare']:.0f}k / {faults['ours']:.0f}k |"
     )
@@ -294,7 +305,7 @@ def row(name: str, result: Result, unit: str = "s", target: float | None = None)
 
 HEADER = (
     "| figure | bare | modeltap | ratio: median of pairs [range] (of medians) | target "
-    "| load avg | CPU bare / modeltap | minor faults |\n|---|---|---|---|---|---|---|---|"
+    "| load avg | CPU s bare / modeltap = ratio | minor faults |\n|---|---|---|---|---|---|---|---|"
 )
 
 

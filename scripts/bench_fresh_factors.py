@@ -1,0 +1,103 @@
+"""Issue #22: why the fresh-process figures differ from bench_perf's in-process ones.
+
+    PYTHONPATH=src .venv/bin/python scripts/bench_fresh_factors.py             # about 25 minutes
+    PYTHONPATH=src .venv/bin/python scripts/bench_fresh_factors.py --pairs 1   # a quick look
+    PYTHONPATH=src .venv/bin/python scripts/bench_fresh_factors.py --variant fresh --variant \\
+        fresh+warm-bare                                                        # some of them
+
+One figure (default bert-base 8x128 dump / bare hooks + save_file, any of bench_perf's cases with
+--case) taken by three methods (scripts/harness.py), each then with one factor toggled:
+
+  in-process   bench_perf before issue #22: one process, a warm-up call per side, then
+               bare, modeltap, bare, ...; outputs overwritten in place; os.sync() before each
+  issue        issue #22's harness: each side in a process of its own (a warm-up call, 5 timed
+               runs), outputs removed and os.sync() first, pairs of processes alternating
+  fresh        what a user pays: each timed run a new process whose first (only) call it is
+
+Each row prints the ratio (median of pairs) with the range of the pairs, the medians, the load
+average, CPU seconds (user + system, system apart) and minor page faults of a run: a factor that
+moves the ratio shows there, and the columns beside it say through which cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_perf  # noqa: E402
+from harness import HEADER, IN_PROCESS, ISSUE, Method, measure, row, save_runs  # noqa: E402
+
+FRESH = Method()
+# glibc malloc: allocations from 64 KiB up mmapped, and unmapped when freed, whatever came before
+# (else the threshold rises with the sizes freed, and freed memory is reused, already mapped).
+MMAP = (("MALLOC_MMAP_THRESHOLD_", "65536"),)
+VARIANTS: dict[str, tuple[str, Method]] = {
+    "in-process": ("in one process (bench_perf before #22)", IN_PROCESS),
+    "in-process+remove": ("  + outputs removed, not overwritten", replace(IN_PROCESS, remove=True)),
+    "in-process-sync": ("  - no os.sync() before a run", replace(IN_PROCESS, sync=False)),
+    "in-process+alternate": ("  + order alternating", replace(IN_PROCESS, alternate=True)),
+    "in-process+separate": (
+        "  + each side in its own process (warm-up, 5 runs)",
+        Method(warm="call", runs=5, remove=False, alternate=False),
+    ),
+    "in-process+mmap": (
+        "  + every large allocation new memory (malloc mmap threshold fixed)",
+        replace(IN_PROCESS, env=MMAP),
+    ),
+    "issue": ("issue #22's harness (own processes, removed, alternating)", ISSUE),
+    "issue-remove": ("  - outputs overwritten, not removed", replace(ISSUE, remove=False)),
+    "issue-warm": (
+        "  - no warm-up: the first of 5 runs is the process's first",
+        replace(ISSUE, warm="none"),
+    ),
+    "issue+mmap": (
+        "  + every large allocation new memory (malloc mmap threshold fixed)",
+        replace(ISSUE, env=MMAP),
+    ),
+    "fresh": ("a fresh process per run, its first call (what a user pays)", FRESH),
+    "fresh+warm-threads": (
+        "  + warm-up: intra-op thread pool started",
+        replace(FRESH, warm="threads"),
+    ),
+    "fresh+warm-bare": ("  + warm-up: one bare call (first forward)", replace(FRESH, warm="bare")),
+    "fresh+warm-call": ("  + warm-up: the same call", replace(FRESH, warm="call")),
+    "fresh-remove": ("  - outputs overwritten, not removed", replace(FRESH, remove=False)),
+    "fresh-sync": ("  - no os.sync() before a run", replace(FRESH, sync=False)),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--case", default="bert-base/dump", choices=sorted(bench_perf.CASES))
+    parser.add_argument("--variant", action="append", choices=list(VARIANTS), help="repeatable")
+    parser.add_argument(
+        "--pairs", type=int, default=4, help="pairs per variant (in one process: rounds)"
+    )
+    parser.add_argument("--runs-json", metavar="PATH", help="also write every run here")
+    args = parser.parse_args()
+    case = bench_perf.CASES[args.case]
+    print(f"{case.label}, {args.pairs} pairs per variant\n")
+    head, rule = HEADER.splitlines()
+    print(f"{head} bare: save_file |\n{rule}---|")
+    results = []
+    for name in args.variant or VARIANTS:
+        label, method = VARIANTS[name]
+        # in one process, twice the rounds: they cost a fraction of a fresh pair
+        pairs = args.pairs * (1 if method.fresh else 2)
+        result = measure(bench_perf.__file__, args.case, method, pairs, progress=True)
+        results.append(result)
+        saves = [r.parts["save_file"] for r in result.bare if "save_file" in r.parts]
+        save = f"{statistics.median(saves):.2f} s" if saves else ""
+        print(row(f"{name}: {label}", result, case.unit, case.target), save, "|", flush=True)
+        save_runs(args.runs_json, results)
+
+
+if __name__ == "__main__":
+    main()
