@@ -22,15 +22,26 @@ moves the ratio shows there, and the columns beside it say through which cost.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_perf  # noqa: E402
-from harness import HEADER, IN_PROCESS, ISSUE, Method, measure, row, save_runs  # noqa: E402
+from harness import (  # noqa: E402
+    HEADER,
+    IN_PROCESS,
+    ISSUE,
+    Method,
+    Result,
+    measure,
+    row,
+    save_runs,
+)
 
 FRESH = Method()
 # glibc malloc: allocations from 64 KiB up mmapped, and unmapped when freed, whatever came before
@@ -70,33 +81,57 @@ VARIANTS: dict[str, tuple[str, Method]] = {
     "fresh-sync": ("  - no os.sync() before a run", replace(FRESH, sync=False)),
 }
 
+# Left out unless asked for (--variant), to keep a full run under 45 minutes.
+OPTIONAL = ("issue-warm", "fresh-sync")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--case", default="bert-base/dump", choices=sorted(bench_perf.CASES))
-    parser.add_argument("--variant", action="append", choices=list(VARIANTS), help="repeatable")
     parser.add_argument(
-        "--pairs", type=int, default=4, help="pairs per variant (in one process: rounds)"
+        "--variant",
+        action="append",
+        choices=list(VARIANTS),
+        help=f"repeatable (default: all but {', '.join(OPTIONAL)})",
     )
+    parser.add_argument("--pairs", type=int, default=4, help="pairs per variant")
     parser.add_argument("--runs-json", metavar="PATH", help="also write every run here")
     args = parser.parse_args()
     case = bench_perf.CASES[args.case]
-    print(f"{case.label}, {args.pairs} pairs per variant\n")
+    names = args.variant or [name for name in VARIANTS if name not in OPTIONAL]
+    results = {name: Result(args.case, VARIANTS[name][1]) for name in names}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("MODELTAP_BENCH_DIR")) as tmp:
+        folders = {name: Path(tmp) / name.replace("+", "_") for name in names}
+        for folder in folders.values():
+            folder.mkdir()
+        # Variants in turn, one pair each, `pairs` times: the machine's load, which moves over
+        # minutes, then falls on every variant alike (one variant after another, it did not).
+        for n in range(args.pairs):
+            for name in names:
+                method = VARIANTS[name][1]
+                print(f"pass {n + 1}/{args.pairs}: {name}", file=sys.stderr, flush=True)
+                measure(
+                    bench_perf.__file__,
+                    args.case,
+                    method,
+                    1 if method.fresh else 2,  # in one process: a pair each way round
+                    progress=True,
+                    folder=folders[name],
+                    # the first pair of a variant that overwrites finds the files it overwrites
+                    warmup=n == 0 and method.fresh and not method.remove,
+                    into=results[name],
+                )
+            save_runs(args.runs_json, list(results.values()))
+    print(f"{case.label}, {args.pairs} passes over the variants\n")
     head, rule = HEADER.splitlines()
     print(f"{head} bare: save_file |\n{rule}---|")
-    results = []
-    for name in args.variant or VARIANTS:
-        label, method = VARIANTS[name]
-        # in one process, twice the rounds: they cost a fraction of a fresh pair
-        pairs = args.pairs * (1 if method.fresh else 2)
-        result = measure(bench_perf.__file__, args.case, method, pairs, progress=True)
-        results.append(result)
+    for name, result in results.items():
         saves = [r.parts["save_file"] for r in result.bare if "save_file" in r.parts]
         save = f"{statistics.median(saves):.2f} s" if saves else ""
-        print(row(f"{name}: {label}", result, case.unit, case.target), save, "|", flush=True)
-        save_runs(args.runs_json, results)
+        label = f"{name}: {VARIANTS[name][0]}"
+        print(row(label, result, case.unit, case.target), save, "|", flush=True)
 
 
 if __name__ == "__main__":

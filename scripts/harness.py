@@ -248,32 +248,54 @@ def _child(
 
 
 def measure(
-    script: str, case: str, method: Method, pairs: int, *, progress: bool = False
+    script: str,
+    case: str,
+    method: Method,
+    pairs: int,
+    *,
+    progress: bool = False,
+    folder: Path | None = None,
+    warmup: bool = True,
+    into: Result | None = None,
 ) -> Result:
-    """`pairs` paired runs of `case` (defined by the module `script`) taken by `method`."""
-    result = Result(case, method)
-    tmp = os.environ.get("MODELTAP_BENCH_DIR")  # where outputs go (default $TMPDIR)
-    with tempfile.TemporaryDirectory(dir=tmp) as name:
-        folder = Path(name)
-        if not method.fresh:
-            order = ["bare", "ours"]
-            for run in _child(script, case, method, order, pairs, folder):
-                getattr(result, run.side).append(run)
-            return result
-        for side in SIDES:  # the warm-up pair, not counted
+    """`pairs` paired runs of `case` (defined by the module `script`) taken by `method`.
+
+    `folder`: where the outputs go (default: a temporary folder, removed after); `warmup`: the
+    uncounted warm-up pair of fresh processes first; `into`: a result to add the pairs to (the
+    order of a fresh pair alternates with the pairs already there)."""
+    result = into or Result(case, method)
+    if folder is None:
+        tmp = os.environ.get("MODELTAP_BENCH_DIR")  # default $TMPDIR
+        with tempfile.TemporaryDirectory(dir=tmp) as name:
+            return measure(
+                script,
+                case,
+                method,
+                pairs,
+                progress=progress,
+                folder=Path(name),
+                warmup=warmup,
+                into=result,
+            )
+    if not method.fresh:
+        for run in _child(script, case, method, ["bare", "ours"], pairs, folder):
+            getattr(result, run.side).append(run)
+        return result
+    if warmup:
+        for side in SIDES:
             _child(script, case, method, [side], 1, folder)
-        for i in range(pairs):
-            order = list(SIDES) if not method.alternate or i % 2 == 0 else list(SIDES[::-1])
-            for side in order:
-                runs = _child(script, case, method, [side], method.runs, folder)
-                getattr(result, side).extend(runs)
-            if progress:
-                print(
-                    f"  {case} pair {i + 1}/{pairs}: bare {result.bare[-1].wall:.3f} s, "
-                    f"modeltap {result.ours[-1].wall:.3f} s, load {result.bare[-1].load:.2f}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+    for _ in range(pairs):
+        done = len(result.bare) // method.runs
+        order = list(SIDES) if not method.alternate or done % 2 == 0 else list(SIDES[::-1])
+        for side in order:
+            getattr(result, side).extend(_child(script, case, method, [side], method.runs, folder))
+        if progress:
+            print(
+                f"  {case} pair {done + 1}: bare {result.bare[-1].wall:.3f} s, "
+                f"modeltap {result.ours[-1].wall:.3f} s, load {result.bare[-1].load:.2f}",
+                file=sys.stderr,
+                flush=True,
+            )
     return result
 
 
