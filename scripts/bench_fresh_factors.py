@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -81,6 +82,51 @@ VARIANTS: dict[str, tuple[str, Method]] = {
     "fresh-sync": ("  - no os.sync() before a run", replace(FRESH, sync=False)),
 }
 
+FILE_MODES = {
+    "new": "a new file, the old one removed first (fresh method)",
+    "truncate": "the old file opened with O_TRUNC and rewritten (save_file, overwriting)",
+    "rename": "a new file renamed over the old one (modeltap's writer, overwriting)",
+}
+
+
+def file_factors(mb: int, rounds: int) -> None:
+    """The file factor alone: `mb` MB written three ways (FILE_MODES) over a file of the same
+    size that is on disk (written and synced), os.sync() before each, modes in turn; the time
+    from open to close (and rename), median of `rounds`."""
+    chunk = os.urandom(8 << 20)
+    times: dict[str, list[tuple[float, float]]] = {mode: [] for mode in FILE_MODES}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("MODELTAP_BENCH_DIR")) as tmp:
+        path, temp = Path(tmp) / "out.bin", Path(tmp) / ".out.bin.tmp"
+
+        def write(target: Path) -> None:
+            with open(target, "wb") as f:
+                for _ in range(mb // 8):
+                    f.write(chunk)
+
+        for i in range(rounds):
+            for mode in list(FILE_MODES)[i % 3 :] + list(FILE_MODES)[: i % 3]:
+                write(path)  # the old file, on disk
+                os.sync()
+                if mode == "new":
+                    path.unlink()
+                    os.sync()
+                before = os.times()
+                start = time.perf_counter()
+                if mode == "rename":
+                    write(temp)
+                    os.replace(temp, path)
+                else:
+                    write(path)
+                wall = time.perf_counter() - start
+                times[mode].append((wall, os.times().system - before.system))
+    print(f"\n{mb} MB written, median of {rounds} (load {os.getloadavg()[0]:.2f}):\n")
+    print("| how | seconds | system CPU s |\n|---|---|---|")
+    for mode, label in FILE_MODES.items():
+        wall = statistics.median(t[0] for t in times[mode])
+        cpu = statistics.median(t[1] for t in times[mode])
+        print(f"| {label} | {wall:.2f} | {cpu:.2f} |")
+
+
 # Left out unless asked for (--variant), to keep a full run under 45 minutes.
 OPTIONAL = ("issue-warm", "fresh-sync")
 
@@ -98,7 +144,13 @@ def main() -> None:
     )
     parser.add_argument("--pairs", type=int, default=4, help="pairs per variant")
     parser.add_argument("--runs-json", metavar="PATH", help="also write every run here")
+    parser.add_argument(
+        "--files", action="store_true", help="only the file factor, without a model (FILE_MODES)"
+    )
     args = parser.parse_args()
+    if args.files:
+        file_factors(614, 2 * args.pairs + 1)
+        return
     case = bench_perf.CASES[args.case]
     names = args.variant or [name for name in VARIANTS if name not in OPTIONAL]
     results = {name: Result(args.case, VARIANTS[name][1]) for name in names}

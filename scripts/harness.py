@@ -7,12 +7,13 @@ One function, `measure(script, case, method, pairs)`, takes any figure any of th
       step, or one generation). In that process the workload is built and the modules the call
       needs are imported (both untimed); then the previous run's output is removed and
       `os.sync()` called (untimed), and the call alone is timed: for a dump, from the forward
-      to the file written and closed (for modeltap: renamed into place), nothing after. Pairs
-      of processes alternate (bare then modeltap, modeltap then bare, ...) after one warm-up
-      pair that is not counted (it brings the libraries into the page cache and leaves each
-      side a file of its own).
+      to the file written and closed (for modeltap: renamed into place), nothing after. A pair
+      is two such processes, both built before either is timed, so that their runs follow each
+      other within seconds; pairs alternate bare-first and modeltap-first, after one warm-up
+      pair that is not counted (it brings the libraries into the page cache).
   issue #22's own (`ISSUE`): the same, but each process calls its side once to warm up and then
-      times 5 runs; a pair's ratio is that of the two processes' medians.
+      times 5 runs, alternating with the other side's process; a pair's ratio is that of the two
+      processes' medians.
   in-process (scripts/bench_perf.py before issue #22, `IN_PROCESS`): one process builds the
       workload, calls each side once to warm up, then alternates bare, modeltap, bare, ...; each
       output is overwritten in place (the same path every run) and `os.sync()` is called before
@@ -195,9 +196,16 @@ def _timed(case: Case, side: str, state: Any, path: Path, method: Method) -> Run
     )
 
 
+def _say(message: dict[str, Any]) -> None:
+    print(_TAG + json.dumps(message), flush=True)
+
+
+_TAG = "HARNESS "  # the lines of the protocol on a child's stdout, among whatever else is there
+
+
 def child_main(cases: dict[str, Case], spec: str) -> None:
-    """Entry point of a measured process: build the case, warm up as told, time the runs in
-    `sides` order `rounds` times; print the runs as one JSON line."""
+    """Entry point of a measured process: build the case, import, warm up as told, say it is
+    ready; then time one run of the side named on each line of stdin, until it closes."""
     import torch
 
     args = json.loads(spec)
@@ -218,33 +226,64 @@ def child_main(cases: dict[str, Case], spec: str) -> None:
             warm = case.bare if method.warm == "bare" or side == "bare" else case.ours
             _remove(paths[side])  # a folder where `warm` writes a file, or the other way
             warm(state, paths[side])
-    runs = []
-    for i in range(args["rounds"]):
-        sides = args["sides"][:: -1 if method.alternate and i % 2 else 1]
-        for side in sides:
-            runs.append(asdict(_timed(case, side, state, paths[side], method)))
-    print(json.dumps(runs))
+    _say({"ready": True})
+    for line in sys.stdin:
+        side = line.strip()
+        _say(asdict(_timed(case, side, state, paths[side], method)))
 
 
 # ---- the parent ----------------------------------------------------------------------------
 
 
-def _child(
-    script: str, case: str, method: Method, sides: list[str], rounds: int, folder: Path
-) -> list[Run]:
-    spec = {
-        "case": case,
-        "method": asdict(method),
-        "sides": sides,
-        "rounds": rounds,
-        "folder": str(folder),
-    }
-    cmd = [sys.executable, script, "--harness-child", json.dumps(spec)]
-    env = {**os.environ, **dict(method.env)}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if done.returncode:
-        raise SystemExit(f"child {spec} failed:\n{done.stderr[-3000:]}")
-    return [Run(**r) for r in json.loads(done.stdout.strip().splitlines()[-1])]
+class _Process:
+    """A measured process holding `sides` of `case`, built and warmed up, waiting for runs."""
+
+    def __init__(
+        self, script: str, case: str, method: Method, sides: list[str], folder: Path
+    ) -> None:
+        spec = {"case": case, "method": asdict(method), "sides": sides, "folder": str(folder)}
+        self.spec = spec
+        self.err = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, script, "--harness-child", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            text=True,
+            env={**os.environ, **dict(method.env)},
+        )
+        self._read()
+
+    def run(self, side: str) -> Run:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(side + "\n")
+        self.proc.stdin.flush()
+        return Run(**self._read())
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(_TAG):
+                return json.loads(line[len(_TAG) :])
+        self.proc.wait()
+        self.err.seek(0)
+        raise SystemExit(f"child {self.spec} failed:\n{self.err.read()[-3000:]}")
+
+    def __enter__(self) -> _Process:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        if any(exc):
+            self.proc.kill()
+        self.proc.wait()
+        self.err.close()
+
+
+def _order(method: Method, done: int) -> tuple[str, ...]:
+    """The sides' order in the next round, `done` rounds done."""
+    return SIDES[::-1] if method.alternate and done % 2 else SIDES
 
 
 def measure(
@@ -278,21 +317,31 @@ def measure(
                 into=result,
             )
     if not method.fresh:
-        for run in _child(script, case, method, ["bare", "ours"], pairs, folder):
-            getattr(result, run.side).append(run)
+        with _Process(script, case, method, list(SIDES), folder) as both:
+            for _ in range(pairs):
+                for side in _order(method, len(result.bare)):
+                    getattr(result, side).append(both.run(side))
         return result
     if warmup:
         for side in SIDES:
-            _child(script, case, method, [side], 1, folder)
+            with _Process(script, case, method, [side], folder) as one:
+                one.run(side)
     for _ in range(pairs):
-        done = len(result.bare) // method.runs
-        order = list(SIDES) if not method.alternate or done % 2 == 0 else list(SIDES[::-1])
-        for side in order:
-            getattr(result, side).extend(_child(script, case, method, [side], method.runs, folder))
+        # Both processes built and waiting before either is timed: the runs of a pair then
+        # follow each other within seconds, as they do in one process.
+        with (
+            _Process(script, case, method, ["bare"], folder) as bare,
+            _Process(script, case, method, ["ours"], folder) as ours,
+        ):
+            procs = {"bare": bare, "ours": ours}
+            for _ in range(method.runs):
+                for side in _order(method, len(result.bare)):
+                    getattr(result, side).append(procs[side].run(side))
         if progress:
             print(
-                f"  {case} pair {done + 1}: bare {result.bare[-1].wall:.3f} s, "
-                f"modeltap {result.ours[-1].wall:.3f} s, load {result.bare[-1].load:.2f}",
+                f"  {case} pair {len(result.bare) // method.runs}: bare "
+                f"{result.bare[-1].wall:.3f} s, modeltap {result.ours[-1].wall:.3f} s, "
+                f"load {result.bare[-1].load:.2f}",
                 file=sys.stderr,
                 flush=True,
             )
