@@ -1,8 +1,12 @@
-"""Issue #12: modeltap against what a user writes by hand with bare hooks, same model, same way.
+"""Issues #12 and #22: modeltap against what a user writes by hand with bare hooks, two ways.
 
-    .venv/bin/python scripts/bench_perf.py            # about 8 minutes on 2 cores
-    .venv/bin/python scripts/bench_perf.py --quick    # fewer repetitions
-    .venv/bin/python scripts/bench_perf.py --startup  # only the commands' start-up
+    PYTHONPATH=src .venv/bin/python scripts/bench_perf.py             # both tables, start-up
+    PYTHONPATH=src .venv/bin/python scripts/bench_perf.py --quick     # fewer repetitions
+    PYTHONPATH=src .venv/bin/python scripts/bench_perf.py --fresh     # fresh processes only
+    PYTHONPATH=src .venv/bin/python scripts/bench_perf.py --in-process
+    PYTHONPATH=src .venv/bin/python scripts/bench_perf.py --case bert-base/dump --pairs 5
+    PYTHONPATH=src .venv/bin/python scripts/bench_perf.py --startup   # only the start-up
+    PYTHONPATH=src .venv/bin/python scripts/bench_perf.py --device cuda  # 1B bf16 on a GPU
 
 The baseline is written here, independent of modeltap's code: `register_forward_hook` on every
 module keeping `out.detach()` of each tensor it returns; for a dump, `safetensors.torch.save_file`
@@ -13,21 +17,39 @@ sum of the main output, everything kept in memory. Against it (ratios, targets):
   dump                 dump_model / (bare hooks + save_file)    bert-base <= 1.1, MiniLM <= 1.3
   statistics only      dump_model(stats_only=True), with a plain forward for scale
   acts + grads         dump_model(grads=...) to disk / bare hooks + backward in memory <= 1.5
+  record               a training step in record(every=1), stats only / a plain step   <= 1.3
+  generate             generate_model, statistics of every step / bare generate()      <= 1.3
   peak RSS             dump / a plain forward, each in a fresh process          <= 1.1
   start-up             `modeltap show` <= 0.5 s, `modeltap diff` of two small dumps <= 1.5 s
 
 Workloads: all-MiniLM-L6-v2 on "hello world", and a bert-base-sized BertModel (BertConfig(),
-seed 0) on 8 x 128 random ids. Every (workload, figure) runs in its own process with 2 threads;
-inside it the two sides alternate (A, B, A, B, ...) after a warm-up. The ratio checked against
-the target is the median of the rounds' ratios (each modeltap run against the bare run just before
-it), which the machine's drift over seconds does not move; the ratio of the two medians follows in
-brackets, with the medians themselves.
+seed 0) on 8 x 128 random ids; record: bench_record.py's BertForMaskedLM step; generate:
+bench_generate.py's GPT-2-sized model, 64 new tokens. 2 intra-op threads. Two methods
+(scripts/harness.py, one function for every figure):
+
+  in one process (the issue #12 table; capture, dump, stats, grads): each (workload, figure) in
+      a process of its own, where the two sides alternate (bare, modeltap, bare, ...) after a
+      warm-up call of each; outputs overwritten in place, os.sync() before each run.
+  fresh (issue #22; dump, grads, record, generate): what a user pays for one dump (one recorded
+      step, one generation) in a new process. Each timed run is a process of its own, in which
+      the workload is built (model and inputs) and the modules both sides use are imported,
+      untimed; the previous run's output is removed and os.sync() called, untimed; then the one
+      call is timed and nothing else: for a dump, the forward with its hooks, statistics and
+      writing up to the file closed (modeltap: renamed into place; bare: save_file returned).
+      Nothing runs before it in that process, so first-call costs (thread pool, new memory's page
+      faults, lazy imports inside the call) are in it, on both sides. Pairs of processes
+      alternate bare-first and modeltap-first, after a warm-up pair that is not counted.
+
+Each figure is the median of the pairs' ratios (each modeltap run against its pair's bare run),
+which the machine's drift over seconds does not move; [the range of the pairs' ratios] and (the
+ratio of the two medians) follow, then the medians, the 1-minute load average over the runs,
+CPU seconds and minor page faults of a run. scripts/bench_fresh_factors.py takes the dump figure
+by both methods and by issue #22's own harness, toggling one difference at a time.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -41,10 +63,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # The same models, batch and peak-RSS measurement as scripts/bench.py.
 from bench import MINILM, bert_base, minilm, print_peak_rss, reset_peak_rss  # noqa: E402
+from harness import (  # noqa: E402
+    HEADER,
+    IN_PROCESS,
+    THREADS,
+    Case,
+    Method,
+    Result,
+    child_main,
+    measure,
+    row,
+    save_runs,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
-# Intra-op threads of the measured processes (the issue measured with 2; --threads to change).
-THREADS = int(os.environ.get("MODELTAP_BENCH_THREADS", "2"))
 WORKLOADS = {"MiniLM 'hello world'": minilm, "bert-base 8x128": bert_base}
 FIGURES = ("capture", "dump", "stats", "grads")
 TARGETS = {
@@ -123,7 +155,9 @@ def bare_dump(model, batch, path):
         # save_file refuses tensors that share memory: copy a view of memory already kept.
         unique[key] = t.clone() if storage in storages else t.contiguous()
         storages.add(storage)
+    start = time.perf_counter()
     save_file(unique, str(path))
+    return {"save_file": time.perf_counter() - start}  # the part of the run spent writing
 
 
 def bare_grads(model, batch):
@@ -171,53 +205,156 @@ def baseline(figure, model, batch, path):
     if figure == "capture":
         bare_capture(model, batch)
     elif figure == "dump":
-        bare_dump(model, batch, path)
+        return bare_dump(model, batch, path)
     elif figure == "stats":
         plain_forward(model, batch)
     else:
         bare_grads(model, batch)
 
 
-# ---- children -----------------------------------------------------------------------------
+# ---- the figures as harness cases (scripts/harness.py) -----------------------------------
+
+# Imported in every measured process before anything is timed (a command imports them at start-up).
+IMPORTS = (
+    "safetensors.torch",
+    "modeltap.capture",
+    "modeltap.grads",
+    "modeltap.loading",
+    "modeltap.run",
+    "modeltap.stats",
+    "modeltap.dump.writer",
+)
 
 
-def time_child(workload, figure, reps):
-    """Median seconds of baseline and modeltap, alternating, in this fresh process."""
-    import torch
+def _case(workload: str, figure: str) -> Case:
+    def setup():
+        model, batch = WORKLOADS[workload]()
+        if figure != "grads":
+            model.requires_grad_(False)
+        return model, batch
 
-    torch.set_num_threads(THREADS)
-    model, batch = WORKLOADS[workload]()
-    if figure != "grads":
-        model.requires_grad_(False)
-    with tempfile.TemporaryDirectory() as tmp:
-        a = Path(tmp) / "bare.safetensors"
-        b = Path(tmp) / "ours.safetensors"
-        baseline(figure, model, batch, a)
-        ours(figure, model, batch, b)
-        ta, tb = [], []
-        for _ in range(reps):
-            for f, path, out in ((baseline, a, ta), (ours, b, tb)):
-                # Each run starts with no dirty pages: otherwise the writeback of the 614 MB the
-                # other side just wrote lands in this run (the kernel throttles writers), and the
-                # figure measures the disk's backlog, not the dump.
-                os.sync()
-                start = time.perf_counter()
-                f(figure, model, batch, path)
-                out.append(time.perf_counter() - start)
-        size = b.stat().st_size if b.exists() else 0
-    # Each round's ratio (ours against the bare run just before it), the median: this machine's
-    # speed drifts by 10-30% over seconds, which a ratio of two medians takes in and this does not.
-    by_round = statistics.median(b / a for a, b in zip(ta, tb, strict=True))
-    print(
-        json.dumps(
-            {
-                "bare": statistics.median(ta),
-                "ours": statistics.median(tb),
-                "by_round": by_round,
-                "mb": size / 1e6,
-            }
-        )
+    return Case(
+        f"{workload}, {LABELS[figure]}",
+        setup,
+        lambda state, path: baseline(figure, *state, path),
+        lambda state, path: ours(figure, *state, path),
+        TARGETS.get((workload, figure)),
+        IMPORTS,
+        "ms" if workload.startswith("MiniLM") else "s",
     )
+
+
+def _record_case() -> Case:
+    """bench_record.py's training step (bert-base BertForMaskedLM, 8 x 128, AdamW): plain, and
+    inside `record(every=1)` (stats only, tripwire on): the with block, entered, one step and
+    `rec.step()` (the step file finished and renamed into place), left."""
+    import bench_record
+
+    def recorded(state, path: Path) -> None:
+        import modeltap
+
+        with modeltap.record(state[0], path, every=1, overwrite=True) as rec:
+            bench_record.train_step(*state)
+            rec.step()
+
+    return Case(
+        "bert-base MLM train step, record(every=1) stats only / plain step",
+        bench_record.setup,
+        lambda state, path: bench_record.train_step(*state),
+        recorded,
+        1.3,
+        (*IMPORTS, "modeltap.record.recording"),
+    )
+
+
+def _generate_case() -> Case:
+    """bench_generate.py's workload (GPT-2-sized, 16-token prompt, 64 new tokens, greedy):
+    bare `generate()`, and `generate_model` with statistics of every step (StepPlan('none'))."""
+    import bench_generate
+
+    return Case(
+        f"GPT-2-sized generate, {bench_generate.NEW_TOKENS} tokens, stats only / bare generate()",
+        bench_generate.setup,
+        lambda state, path: bench_generate.bare(*state),
+        lambda state, path: bench_generate.tapped(*state, path, "none"),
+        1.3,
+        (*IMPORTS, "modeltap.generate.run"),
+    )
+
+
+def llama_1b():
+    """A Llama of about 1.1B parameters (TinyLlama's shape) in bf16 on the GPU, seed 0, built
+    from a config (no download), on 4 x 256 random ids."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    )
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        ids = torch.randint(0, config.vocab_size, (4, 256))
+    model.requires_grad_(False)
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _cuda_case(figure: str) -> Case:
+    """On the GPU: modeltap's dump (statistics on the device, pinned buffers, non-blocking copies)
+    or stats-only run, against a bare forward, or (`bare-dump`) the dump against bare hooks +
+    save_file (which copies each tensor to the host). Each call ends with the GPU synchronized."""
+
+    def synced(f):
+        def call(state, path: Path) -> None:
+            import torch
+
+            f(state, path)
+            torch.cuda.synchronize()
+
+        return call
+
+    bare = {
+        "dump": lambda state, path: plain_forward(*state),
+        "stats": lambda state, path: plain_forward(*state),
+        "bare-dump": lambda state, path: bare_dump(*state, path),
+    }[figure]
+    mine = "stats" if figure == "stats" else "dump"
+    label = {
+        "dump": "dump / bare forward",
+        "stats": "statistics only / bare forward",
+        "bare-dump": "dump / bare hooks + save_file",
+    }[figure]
+    return Case(
+        f"Llama 1.1B bf16 CUDA 4x256, {label}",
+        llama_1b,
+        synced(bare),
+        synced(lambda state, path: ours(mine, *state, path)),
+        None,
+        IMPORTS,
+    )
+
+
+SHORT = {"minilm": "MiniLM 'hello world'", "bert-base": "bert-base 8x128"}
+CASES: dict[str, Case] = {
+    **{f"{short}/{figure}": _case(w, figure) for short, w in SHORT.items() for figure in FIGURES},
+    "bert-base/record": _record_case(),
+    "gpt2/generate": _generate_case(),
+    **{f"llama-1b/{figure}": _cuda_case(figure) for figure in ("dump", "stats", "bare-dump")},
+}
+# The fresh-process figures of issue #22, with pairs (default, --quick).
+FRESH = {
+    "bert-base/dump": (5, 2),
+    "minilm/dump": (11, 3),
+    "bert-base/grads": (5, 2),
+    "bert-base/record": (5, 2),
+    "gpt2/generate": (5, 2),
+}
+CUDA = {"llama-1b/dump": (5, 2), "llama-1b/stats": (5, 2), "llama-1b/bare-dump": (5, 2)}
 
 
 def rss_child(workload, side):
@@ -289,64 +426,100 @@ def startup(reps=5) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def in_process_table(args, results: list[Result]) -> None:
+    print(f"\nIn one process, sides alternating ({IN_PROCESS.describe()}):\n")
+    print(HEADER)
+    for workload in WORKLOADS:
+        short = "minilm" if workload.startswith("MiniLM") else "bert-base"
+        if args.workload and args.workload != short:
+            continue
+        small = short == "minilm"
+        reps = args.reps or ((10 if args.quick else 300) if small else (3 if args.quick else 7))
+        for figure in FIGURES:
+            if args.figure and args.figure != figure:
+                continue
+            case = CASES[f"{short}/{figure}"]
+            result = measure(__file__, f"{short}/{figure}", IN_PROCESS, reps)
+            results.append(result)
+            print(row(case.label, result, case.unit, case.target), flush=True)
+        if args.figure and args.figure != "rss":
+            continue
+        rss = {side: int(child("rss", workload, side)) for side in ("forward", "dump")}
+        ratio = rss["dump"] / rss["forward"]
+        print(
+            f"| {workload}, peak RSS, dump vs plain forward (fresh processes) "
+            f"| {rss['forward'] / 1e6:.0f} MB | {rss['dump'] / 1e6:.0f} MB | {ratio:.2f} "
+            f"| <= 1.1: {'met' if ratio <= 1.1 else 'MISSED'} | {os.getloadavg()[0]:.2f} | | |",
+            flush=True,
+        )
+
+
+def fresh_table(cases: dict[str, tuple[int, int]], args, results: list[Result]) -> None:
+    print(f"\nEach run in a fresh process ({Method().describe()}):\n")
+    print(HEADER)
+    for name, (pairs, quick) in cases.items():
+        case = CASES[name]
+        result = measure(
+            __file__, name, Method(), args.pairs or (quick if args.quick else pairs), progress=True
+        )
+        results.append(result)
+        print(row(case.label, result, case.unit, case.target), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--startup", action="store_true", help="only the start-up figures")
+    parser.add_argument("--fresh", action="store_true", help="only the fresh-process figures")
+    parser.add_argument("--in-process", action="store_true", help="only the one-process figures")
+    parser.add_argument(
+        "--case", action="append", choices=sorted(FRESH), help="only this fresh figure (repeatable)"
+    )
+    parser.add_argument("--pairs", type=int, help="pairs of fresh processes per figure")
     parser.add_argument("--workload", choices=["minilm", "bert-base"], help="only this workload")
     parser.add_argument("--figure", choices=[*FIGURES, "rss"], help="only this figure")
     parser.add_argument("--reps", type=int, help="rounds per figure (default 300 MiniLM, 7 bert)")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the 1B bf16 GPU figures"
+    )
+    parser.add_argument("--runs-json", metavar="PATH", help="also write every run here")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--harness-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.harness_child:
+        child_main(CASES, args.harness_child)
+        return
     if args.child:
-        kind, *rest = args.child
-        if kind == "time":
-            time_child(rest[0], rest[1], int(rest[2]))
-        else:
-            rss_child(rest[0], rest[1])
+        rss_child(*args.child[1:])
         return
 
-    print("| workload | what | bare hooks | modeltap | ratio by round (of medians) | target |")
-    print("|---|---|---|---|---|---|")
-    if not args.startup:
-        for workload in WORKLOADS:
-            small = workload.startswith("MiniLM")
-            if args.workload and args.workload != ("minilm" if small else "bert-base"):
-                continue
-            reps = args.reps or ((10 if args.quick else 300) if small else (3 if args.quick else 7))
-            scale, unit = (1e3, "ms") if small else (1.0, "s")
-            for figure in FIGURES:
-                if args.figure and args.figure != figure:
-                    continue
-                r = json.loads(child("time", workload, figure, reps))
-                ratio = r["by_round"]
-                target = TARGETS.get((workload, figure))
-                mark = (
-                    ""
-                    if target is None
-                    else f"<= {target}: {'met' if ratio <= target else 'MISSED'}"
-                )
-                size = f" ({r['mb']:.0f} MB)" if r["mb"] > 1 else ""
-                print(
-                    f"| {workload} | {LABELS[figure]}{size} | {r['bare'] * scale:.3g} {unit} "
-                    f"| {r['ours'] * scale:.3g} {unit} | {ratio:.2f} "
-                    f"({r['ours'] / r['bare']:.2f}) | {mark} |",
-                    flush=True,
-                )
-            if args.figure and args.figure != "rss":
-                continue
-            rss = {side: int(child("rss", workload, side)) for side in ("forward", "dump")}
-            ratio = rss["dump"] / rss["forward"]
+    results: list[Result] = []
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
             print(
-                f"| {workload} | peak RSS, dump vs plain forward | {rss['forward'] / 1e6:.0f} MB "
-                f"| {rss['dump'] / 1e6:.0f} MB | {ratio:.2f} | <= 1.1: "
-                f"{'met' if ratio <= 1.1 else 'MISSED'} |",
-                flush=True,
+                f"bench_perf --device cuda: skipped, no CUDA device on this machine "
+                f"(torch {torch.__version__}, torch.cuda.is_available() is False)"
             )
-    if args.workload or args.figure:
+            return
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+        fresh_table(CUDA, args, results)
+        save_runs(args.runs_json, results)
         return
+    if not args.startup:
+        fresh_only = args.fresh or bool(args.case)
+        if not fresh_only:
+            in_process_table(args, results)
+        if not (args.in_process or args.workload or args.figure):
+            cases = {k: v for k, v in FRESH.items() if not args.case or k in args.case}
+            fresh_table(cases, args, results)
+        save_runs(args.runs_json, results)
+    if args.workload or args.figure or args.fresh or args.case or args.in_process:
+        return
+    print()
     for name, seconds in startup(3 if args.quick else 5).items():
         target = {
             "show (MiniLM dump)": 0.5,
