@@ -244,7 +244,7 @@ class DumpWriter:
         """
         x = tensor.detach() if tensor.requires_grad else tensor
         timeline = self._timeline
-        record = None if timeline is None else timeline.tensor(key, x.nbytes)
+        record = None if timeline is None else timeline.tensor(key, x.numel() * x.element_size())
         dtype, code = _dtype_code(x.dtype)
         if self.stats_only:
             code = None
@@ -275,7 +275,7 @@ class DumpWriter:
                 )
             return
         with self._lock:
-            nbytes = x.nbytes
+            nbytes = x.numel() * x.element_size()  # not nbytes: sparse tensors have none
             size = 0 if code is None else nbytes
             position = 8 + self._reserve + self._offset
             if code is not None:
