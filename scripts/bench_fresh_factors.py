@@ -1,9 +1,10 @@
 """Issue #22: why the fresh-process figures differ from bench_perf's in-process ones.
 
-    PYTHONPATH=src .venv/bin/python scripts/bench_fresh_factors.py             # about 25 minutes
-    PYTHONPATH=src .venv/bin/python scripts/bench_fresh_factors.py --pairs 1   # a quick look
+    PYTHONPATH=src .venv/bin/python scripts/bench_fresh_factors.py             # about 27 minutes
+    PYTHONPATH=src .venv/bin/python scripts/bench_fresh_factors.py --pairs 1   # about 6 minutes
     PYTHONPATH=src .venv/bin/python scripts/bench_fresh_factors.py --variant fresh --variant \\
         fresh+warm-bare                                                        # some of them
+    PYTHONPATH=src .venv/bin/python scripts/bench_fresh_factors.py --files     # the file alone
 
 One figure (default bert-base 8x128 dump / bare hooks + save_file, any of bench_perf's cases with
 --case) taken by three methods (scripts/harness.py), each then with one factor toggled:
@@ -11,12 +12,14 @@ One figure (default bert-base 8x128 dump / bare hooks + save_file, any of bench_
   in-process   bench_perf before issue #22: one process, a warm-up call per side, then
                bare, modeltap, bare, ...; outputs overwritten in place; os.sync() before each
   issue        issue #22's harness: each side in a process of its own (a warm-up call, 5 timed
-               runs), outputs removed and os.sync() first, pairs of processes alternating
+               runs alternating with the other's), outputs removed and os.sync() first
   fresh        what a user pays: each timed run a new process whose first (only) call it is
 
-Each row prints the ratio (median of pairs) with the range of the pairs, the medians, the load
-average, CPU seconds (user + system, system apart) and minor page faults of a run: a factor that
-moves the ratio shows there, and the columns beside it say through which cost.
+The variants take turns, one pair each per pass (--pairs passes). Each row prints the ratio
+(median of pairs) with the range of the pairs, the medians, the load average, CPU seconds (user +
+system, system apart), minor page faults and involuntary context switches of a run, and the bare
+side's save_file seconds: a factor that moves the ratio shows there, and the columns beside it say
+through which cost. --files times the file factor alone (FILE_MODES), without a model.
 """
 
 from __future__ import annotations
@@ -142,7 +145,7 @@ def main() -> None:
         choices=list(VARIANTS),
         help=f"repeatable (default: all but {', '.join(OPTIONAL)})",
     )
-    parser.add_argument("--pairs", type=int, default=4, help="pairs per variant")
+    parser.add_argument("--pairs", type=int, default=5, help="pairs per variant")
     parser.add_argument("--runs-json", metavar="PATH", help="also write every run here")
     parser.add_argument(
         "--files", action="store_true", help="only the file factor, without a model (FILE_MODES)"

@@ -22,7 +22,12 @@ One function, `measure(script, case, method, pairs)`, takes any figure any of th
 The figure is the median of the pairs' ratios (modeltap / the bare run of the same pair): this
 2-core machine's speed drifts by 10-30% over seconds, which a ratio of two medians takes in. Each
 run also records CPU seconds (user, system), page faults, context switches and the 1-minute load
-average when it started, so that a difference between methods can be traced to its cause.
+average when it started, so that a difference between methods can be traced to its cause. The
+involuntary context switches of a run say best how much other processes took from it: the load
+average is a minute's mean, while on a busy 2-core machine a bert-base dump's ratio goes from
+about 1.3 in pairs whose bare run was not preempted (~25 switches) to 0.6 in pairs where it was
+(~500-1500): the bare forward's two threads fill both cores, and lose most when one is taken,
+while modeltap's own writer thread already makes three (~800 switches even when quiet).
 
 `Method`'s fields toggle the two methods' differences one at a time (bench_fresh_factors.py).
 `script` defines `CASES: dict[str, Case]` and hands its `--harness-child` argument to
@@ -359,6 +364,7 @@ def row(name: str, result: Result, unit: str = "s", target: float | None = None)
     cpu_ratio = statistics.median(result.pair_ratios(lambda r: r.user + r.sys))
     sys_s = {s: result.median(s, "sys") for s in SIDES}
     faults = {s: result.median(s, "minflt") / 1e3 for s in SIDES}
+    switches = {s: result.median(s, "nivcsw") for s in SIDES}
     lo, hi = result.load
     size = result.median("ours", "size") / 1e6
     if size > 1:
@@ -370,13 +376,15 @@ def row(name: str, result: Result, unit: str = "s", target: float | None = None)
         f"({result.median('ours') / result.median('bare'):.2f}) | {mark} | {lo:.2f}-{hi:.2f} "
         f"| {cpu['bare'] * scale:.3g} / {cpu['ours'] * scale:.3g} = {cpu_ratio:.2f} "
         f"(sys {sys_s['bare'] * scale:.2g} / {sys_s['ours'] * scale:.2g}) "
-        f"| {faults['bare']:.0f}k / {faults['ours']:.0f}k |"
+        f"| {faults['bare']:.0f}k / {faults['ours']:.0f}k "
+        f"| {switches['bare']:.0f} / {switches['ours']:.0f} |"
     )
 
 
 HEADER = (
     "| figure | bare | modeltap | ratio: median of pairs [range] (of medians) | target "
-    "| load avg | CPU s bare / modeltap = ratio | minor faults |\n|---|---|---|---|---|---|---|---|"
+    "| load avg | CPU s bare / modeltap = ratio | minor faults | involuntary switches |"
+    "\n|---|---|---|---|---|---|---|---|---|"
 )
 
 
