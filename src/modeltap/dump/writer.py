@@ -257,16 +257,9 @@ class DumpWriter:
                 if self._final_pool is None:
                     from concurrent.futures import ThreadPoolExecutor
 
-                    import torch
-
-                    # a tensor final_stats sends back to tensor_stats adds up in the caller's
-                    # order (its thread count), as the writer thread does
-                    self._final_pool = ThreadPoolExecutor(
-                        _FINAL_WORKERS,
-                        "modeltap-stats",
-                        torch.set_num_threads,
-                        (torch.get_num_threads(),),
-                    )
+                    # CPU statistics are numpy on one core: the same bits in any thread, and no
+                    # torch thread pool to set up here
+                    self._final_pool = ThreadPoolExecutor(_FINAL_WORKERS, "modeltap-stats")
                 options = self._options(count_zeros)
                 self._final[key] = (
                     self._final_pool.submit(final_stats, x, **options)
@@ -565,7 +558,6 @@ class _Pipeline:
     _ALIGN = 64
 
     def __init__(self, writer: DumpWriter, capacity: int) -> None:
-        import torch
 
         self.writer = writer
         self.file = writer._file
@@ -581,9 +573,9 @@ class _Pipeline:
         self.stop = False
         self.error: BaseException | None = None
         self.cond = threading.Condition()
-        # Reductions split across intra-op threads add up in a different order: the thread
-        # reduces with as many as its caller, so the statistics don't depend on where they ran.
-        self.threads = torch.get_num_threads()
+        # No torch thread count to carry over: CPU statistics are numpy on one core (the same
+        # bits in any thread), and this thread runs no parallel torch op, so it starts no
+        # OpenMP team beside the model's.
         self.thread = threading.Thread(target=self._run, name="modeltap-writer", daemon=True)
         self.thread.start()
 
@@ -698,9 +690,6 @@ class _Pipeline:
         self.writer.peak_inflight = max(self.writer.peak_inflight, self.peak)
 
     def _run(self) -> None:
-        import torch
-
-        torch.set_num_threads(self.threads)
         try:
             self._loop()
         finally:
