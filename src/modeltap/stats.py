@@ -393,12 +393,13 @@ def _cpu_stats(
 ) -> TensorStats:
     """The CPU path, in one read of the tensor's memory.
 
-    The values are taken a block of about `BLOCK` elements at a time (whole rows of the last dim,
-    or pieces of one row when a row is longer), and everything is done to a block while it is in
-    the core's cache: its sum, its centred square sum, its min, the per-unit max, zeros and
-    histogram counts. Blocks combine in float64 (Chan et al.), which is as accurate as one
-    two-pass over the whole tensor or better; the last bits depend on the block, not on anything
-    else (see `BLOCK`). 16-bit floats are widened a block at a time into a reused buffer.
+    The values are taken a block of about `BLOCK` (or `block_elements`) elements at a time (whole
+    rows of the last dim, or pieces of one row when a row is longer), and everything is done to a
+    block while it is in the core's cache: its sum, its square sum about the mean (`_block_pass`),
+    its min, the per-unit max, zeros and histogram counts. Blocks combine in float64 (Chan et
+    al.), which is as accurate as one two-pass over the whole tensor or better; the last bits
+    depend on the block size, not on anything else (see `BLOCK`). 16-bit floats are widened a
+    block at a time into a reused buffer.
     """
     import numpy as np
 
