@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -286,6 +287,12 @@ def _offloaded_weights_frozen(model: nn.Module, spec: GradSpec) -> Iterator[None
                 p.requires_grad_(True)
 
 
+@functools.cache
+def device_name(device: Any) -> str:
+    """`str(device)`, which costs more than the rest of a small tensor's bookkeeping."""
+    return str(device)
+
+
 class _DeviceLog:
     """The writer, noting the device of each tensor it is given (a big model's outputs come from
     several GPUs, or the CPU); everything else goes straight to the writer."""
@@ -293,14 +300,9 @@ class _DeviceLog:
     def __init__(self, writer: DumpWriter) -> None:
         self.writer = writer
         self.devices: dict[str, str] = {}
-        self._names: dict[Any, str] = {}  # str(device) costs more than the rest of this
 
     def tensor(self, key: str, tensor: Any, **kwargs: Any) -> None:
-        device = tensor.device
-        name = self._names.get(device)
-        if name is None:
-            name = self._names[device] = str(device)
-        self.devices[key] = name
+        self.devices[key] = device_name(tensor.device)
         self.writer.tensor(key, tensor, **kwargs)
 
     def alias(self, key: str, target: str) -> None:

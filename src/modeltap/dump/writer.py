@@ -9,6 +9,7 @@ If the final header does not fit the reservation, the data is moved once behind 
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import re
@@ -51,17 +52,12 @@ _FINAL_WORKERS = 2
 # Small tensors' bytes are gathered up to this much before one write.
 _STAGE_BYTES = 1 << 20
 
-# dtype -> (its name, its safetensors code or None), filled as dtypes come: naming a dtype costs
-# more than the rest of a small tensor's bookkeeping.
-_DTYPE_CODES: dict[Any, tuple[str, str | None]] = {}
-
-
+@functools.cache
 def _dtype_code(dtype: torch.dtype) -> tuple[str, str | None]:
-    known = _DTYPE_CODES.get(dtype)
-    if known is None:
-        name = dtype_name(dtype)
-        known = _DTYPE_CODES[dtype] = (name, _DTYPES.get(name))
-    return known
+    """(a dtype's name, its safetensors code or None): naming a dtype costs more than the rest of
+    a small tensor's bookkeeping."""
+    name = dtype_name(dtype)
+    return name, _DTYPES.get(name)
 
 
 def write_target(path: Path) -> Path:
@@ -373,11 +369,12 @@ class DumpWriter:
         """Another forward follows (a decoding step): the small tensors given so far are done
         now, in one batch, and the writer thread, if it has nothing left to do, goes.
 
-        An idle writer thread that has run torch's parallel reductions keeps its OpenMP team;
-        with more OpenMP threads than cores, the model's own threads stop spinning between
-        kernels and each small matmul of a decoding step waits for them to be woken (GPT-2, 64
-        new tokens, statistics of every step: 1.75x of a bare generate with the thread kept,
-        1.29x without). A busy thread is left to finish its work during the next pass.
+        An idle thread left behind cost decoding dearly while the statistics ran torch's parallel
+        reductions: its OpenMP team made more OpenMP threads than cores, and the model's own
+        threads stopped spinning between the small matmuls of each step (GPT-2, 64 new tokens:
+        1.75x of a bare generate with the thread kept, 1.29x without). The statistics are numpy
+        now, but a thread with nothing queued serves no purpose between passes. A busy thread is
+        left to finish its work during the next pass.
         """
         try:
             with self._lock:

@@ -21,6 +21,7 @@ from modeltap.generate.options import (
     check_decoder_length,
     check_prompt_length,
 )
+from modeltap.run import device_name
 from modeltap.selection import Selection, select_modules
 
 if TYPE_CHECKING:
@@ -45,7 +46,6 @@ class _StepSink:
         self.paused = False
         self._held: list[tuple[str, Any]] | None = None
         self._prefix = step_key(0, "")
-        self._device_names: dict[Any, str] = {}
 
     def begin(self, step: int) -> None:
         self._release(full=False)
@@ -80,11 +80,7 @@ class _StepSink:
             return
         key = self._prefix + key  # step_key(self.step, key)
         self.order.append(key)
-        device = tensor.device
-        name = self._device_names.get(device)
-        if name is None:
-            name = self._device_names[device] = str(device)
-        self.devices[key] = name
+        self.devices[key] = device_name(tensor.device)
         if self._held is not None:
             self._held.append((key, tensor.detach().clone()))
         else:
