@@ -756,3 +756,117 @@ def test_processor_without_files_is_refused(gpt2_dir: Path) -> None:
     result = runner.invoke(app, ["generate", str(gpt2_dir), PROMPT, "--processor", "x"])
     assert result.exit_code == 2 and "--processor takes image or audio FILEs" in result.output
 
+
+
+# compare --generate --against compile / export ---------------------------------------------
+
+
+def _layer_faulted(gpt2_dir: Path, folder: Path) -> Path:
+    """The tiny GPT-2 with its second block's MLP output weights 5% off: an error from step 0."""
+    from transformers import GPT2LMHeadModel
+
+    folder = _faulted(gpt2_dir, folder, 0)  # copies the tokenizer; position 0's row put back:
+    model = GPT2LMHeadModel.from_pretrained(gpt2_dir)
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_proj.weight.mul_(1.05)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("backend", ["export", "compile"])
+def test_compare_generate_against_a_backend_names_the_step_and_the_layer(
+    gpt2_dir: Path,
+    tok,  # noqa: ANN001
+    tmp_path: Path,
+    backend: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The candidate checkpoint's blocks compiled or exported each on its own: a fault seen from
+    step 3 on (a position embedding row) is found at step 3, and one inside the second block
+    (replayed through its compiled or exported graph) at step 0 in that block."""
+    from torch._dynamo.utils import counters
+    from transformers import GPT2LMHeadModel
+
+    from modeltap.compare import backends
+
+    torch._dynamo.reset()  # other tests' compiled code: not this test's recompile limit
+    counters.clear()
+    exports = []
+    export_call = backends._export_call
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        exports.append(args[1])
+        return export_call(*args, **kwargs)
+
+    monkeypatch.setattr(backends, "_export_call", counted)
+    length = _prompt_length(tok)
+    late = _faulted(gpt2_dir, tmp_path / "late", length + 2)
+    base = ["compare", str(gpt2_dir), "--generate", "6", "--against", backend, "--json"]
+    result = runner.invoke(app, [*base[:2], str(late), PROMPT, *base[2:], "--depth", "3"])
+    assert result.exit_code == 1, result.output
+    data = json.loads(result.stdout)
+    assert "without the KV cache" in data["note"] and f"depth 3 {backend}" in data["note"]
+    ids = _prompt(tok).kwargs
+    reference = GPT2LMHeadModel.from_pretrained(gpt2_dir)
+    new = reference.generate(**ids, max_new_tokens=6, do_sample=False)[0, length:].tolist()
+    assert data["reference_ids"] == [new]
+    assert data["departure"]["step"] == data["attributed_step"] == 3
+    assert data["origins"][0]["module"] == "transformer.wpe"
+    if backend == "export":  # the blocks ran as exported graphs, the prefill's and a longer one's
+        assert sorted(set(exports)) == ["transformer.h.0", "transformer.h.1"]
+    else:
+        assert counters["stats"]["unique_graphs"] >= 2
+    layer = _layer_faulted(gpt2_dir, tmp_path / "layer")
+    result = runner.invoke(app, [*base[:2], str(layer), PROMPT, *base[2:], "--depth", "3"])
+    assert result.exit_code == 1, result.output
+    data = json.loads(result.stdout)
+    assert data["steps"]["first_divergence"]["step"] == 0
+    assert data["attributed_step"] == 0
+    assert [o["module"] for o in data["origins"]] == ["transformer.h.1"]
+
+
+def test_compare_generate_against_export_of_the_same_model_passes(gpt2_dir: Path) -> None:
+    args = ["compare", str(gpt2_dir), PROMPT, "--generate", "4", "--against", "export"]
+    result = runner.invoke(app, [*args, "--depth", "3"])
+    assert result.exit_code == 0, result.output
+    assert "tokens agree at every step" in result.output
+    assert "exported each on its own" in " ".join(result.output.split())
+    missing = runner.invoke(app, args)
+    assert missing.exit_code == 2
+    assert "--against export replays at one depth: give --depth N" in missing.output
+
+
+def test_an_exported_module_takes_every_length_and_equals_the_module() -> None:
+    """A Llama layer behind `exported_module`: each call's output equals the layer's own; a
+    length of 1 (fixed by export) and a longer one take two graphs, later lengths reuse the
+    dynamic one; the graphs are torch.export's, not the layer."""
+    from modeltap.compare.backends import exported_module
+
+    model = tiny_llama()
+    layer = model.model.layers[0]
+    stand_in = exported_module(layer, "model.layers.0")
+    assert list(stand_in.children()) == [stand_in.graphs] and len(stand_in.graphs) == 0
+    ran = []
+    for length in (1, 4, 9, 1):
+        if length == 9:  # two graphs made: from now on, a call of the layer itself would fail
+            for graph in stand_in.graphs:
+                graph.register_forward_hook(lambda g, a, out: ran.append(g))
+            layer.forward = None
+        hidden = torch.randn(1, length, 32)
+        positions = torch.arange(length)[None]
+        rotary = model.model.rotary_emb(hidden, positions)
+        kwargs = {"position_embeddings": rotary, "position_ids": positions}
+        with torch.no_grad():
+            expected = model.model.layers[0].__class__.forward(layer, hidden, **kwargs)
+            got = stand_in(hidden, **kwargs)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert len(stand_in.graphs) == 2 and ran == [stand_in.graphs[1], stand_in.graphs[0]]
+    assert all(type(g).__name__ != type(layer).__name__ for g in stand_in.graphs)
+    from transformers import DynamicCache
+
+    from modeltap.errors import RunError
+
+    with pytest.raises(RunError, match="called with a DynamicCache.*use_cache=False"):
+        stand_in(hidden, cache=DynamicCache(), **kwargs)
+    stand_in.train()  # an exported graph's train() raises; the stand-in's doesn't
+    assert stand_in.training and not stand_in.graphs[0].training

@@ -379,10 +379,10 @@ def run_compare_generate(
     given = [flag for flag, value in refused.items() if value]
     if given:
         raise InputError(f"{given[0]} is for one-forward comparisons; drop it with --generate")
-    if variant.backend:
+    if variant.backend and (s.depth is None or s.depth < 1):
         raise InputError(
-            f"--against {variant.backend} with --generate is not supported; compare one forward "
-            f"(drop --generate), or generate with each and `modeltap diff` the two files"
+            f"--against {variant.backend} replays at one depth: give --depth N (1 or more; e.g. "
+            "2 for each block of a GPT-2, 3 for each layer of a Llama)"
         )
     if s.do_sample and not seed_given:
         raise InputError(
@@ -412,6 +412,17 @@ def run_compare_generate(
     inputs = media if media is not None else prompt_inputs(loaded.model, tok, s.texts, chat=s.chat)
     inputs = inputs.to(loaded.device, getattr(torch, loaded.dtype))
     options = dataclasses.replace(options, rename=s.map)
+    note = ""
+    if variant.backend:
+        from modeltap.compare.backends import COMPILED_RENAME, transform_for_generation
+        from modeltap.loading import Inputs
+
+        with err.status(f"{variant.backend} of the modules at --depth {s.depth}"):
+            note = transform_for_generation(variant.backend, candidate, s.depth)
+        # export can't carry the KV cache object: both sides decode without it (the note says so)
+        inputs = Inputs(inputs.args, {**inputs.kwargs, "use_cache": False}, inputs.description)
+        rename = list(s.map) + list(COMPILED_RENAME if variant.backend == "compile" else ())
+        options = dataclasses.replace(options, rename=rename, replay_depth=s.depth)
     with tempfile.TemporaryDirectory(prefix="modeltap-compare-") as tmp:
         with err.status(f"generating with {loaded.model_class} and {variant.label}"):
             result = compare_generation(
@@ -425,6 +436,7 @@ def run_compare_generate(
                 tokenizer=tok,
             )
     result.meta = {
+        **({"note": note} if note else {}),
         "reference": {"model": s.model, "model_class": loaded.model_class, "dtype": loaded.dtype},
         "candidate": {
             "model": s.candidate or s.model,

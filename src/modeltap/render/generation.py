@@ -205,6 +205,8 @@ def compare_generation_heading(result: Any) -> Text:
         names = ", ".join(m.name for m in origins[:3]) or "no single module (see --json)"
         text.append(f"origin at step {result.attributed_step}: ", style="bold")
         text.append(f"{names} (replayed with the reference's tokens forced)\n")
+    if result.meta.get("note"):
+        text.append(f"note: {result.meta['note']}\n", style="dim")
     text.append(f"reference text: {_texts(result.reference.texts)}\n")
     text.append(f"candidate text (free-running): {_texts(result.free.texts)}")
     return text
