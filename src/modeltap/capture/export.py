@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +62,6 @@ def export_program(
     fixes (a sequence of one token, a size the model's code depends on) stays static:
     `dynamic_dims` says which stayed dynamic.
     """
-    import logging
 
     import torch
 
@@ -70,26 +71,37 @@ def export_program(
     doubled = dynamic and _batch_of_one((args, kwargs))
     traced_args, traced_kwargs = _doubled((args, kwargs)) if doubled else (args, kwargs)
     # its warning for each fixed dim is what `dynamic_dims` reports, once
-    specialized = logging.getLogger("torch._export.non_strict_utils")
-    level = specialized.level
-    specialized.setLevel(logging.ERROR)
     try:
-        program = torch.export.export(
-            model,
-            traced_args,
-            traced_kwargs,
-            dynamic_shapes=_dynamic_shapes(model, args, kwargs) if dynamic else None,
-            strict=False,
-            preserve_module_call_signature=names,
-        )
+        with quiet_specialization():
+            program = torch.export.export(
+                model,
+                traced_args,
+                traced_kwargs,
+                dynamic_shapes=_dynamic_shapes(model, args, kwargs) if dynamic else None,
+                strict=False,
+                preserve_module_call_signature=names,
+            )
     except Exception as exc:  # export raises many kinds (UserError, GuardOnDataDependent...)
         raise InputError(_export_failure(model, exc, dynamic)) from exc
     finally:
-        specialized.setLevel(level)
         model.train(was_training)
     if doubled:
         program.example_inputs = (tuple(args), dict(kwargs))
     return program
+
+
+@contextmanager
+def quiet_specialization() -> Iterator[None]:
+    """Without torch.export's warning for each dim it fixes (Dim.AUTO with a size of 0 or 1)."""
+    import logging
+
+    specialized = logging.getLogger("torch._export.non_strict_utils")
+    level = specialized.level
+    specialized.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        specialized.setLevel(level)
 
 
 def _batch_of_one(inputs: Any) -> bool:

@@ -250,6 +250,8 @@ def _export_call(
     from torch.export import Dim
     from torch.utils._pytree import tree_unflatten
 
+    from modeltap.capture.export import quiet_specialization
+
     class Call(nn.Module):  # the call with its tensors as the only arguments
         def __init__(self) -> None:
             super().__init__()
@@ -264,9 +266,10 @@ def _export_call(
     dynamic = tuple({i: Dim.AUTO for i in range(t.dim())} for t in tensors)
     try:
         # one argument, *inputs: its shapes are one tuple
-        program = torch.export.export(
-            Call(), tuple(tensors), dynamic_shapes=(dynamic,), strict=False
-        )
+        with quiet_specialization():  # a size of 1 fixed is what `sizes` keeps
+            program = torch.export.export(
+                Call(), tuple(tensors), dynamic_shapes=(dynamic,), strict=False
+            )
     except Exception as exc:  # export raises many kinds for code it can't trace
         raise RunError(
             f"torch.export failed on '{name}': {first_line(exc)}; try another --depth"
