@@ -496,3 +496,177 @@ def test_fsdp2_records_shards_and_gathers_full_grads(dist_runs: Path) -> None:
     assert json.loads(full.metadata["updates"]) == pytest.approx(
         json.loads(ddp.metadata["updates"]), rel=1e-6
     )
+
+
+# the lazy tripwire of steps that are not recorded (record.sentinel) -------------------------
+
+
+def _trip_fields(trip) -> tuple:  # noqa: ANN001
+    stats = json.dumps(trip.stats)  # NaN sums compare as text
+    return (trip.step, trip.phase, trip.module, trip.key, sorted(trip.inputs), stats)
+
+
+@pytest.mark.parametrize("part", ["fc2", "gate"])
+def test_an_unrecorded_step_is_checked_lazily_and_trips_as_the_full_tripwire(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part: str
+) -> None:
+    """Steps 1-5 are not recorded: no module output is watched on them, yet a NaN made at step
+    3 (forward by fc2, backward by gate) is named exactly as the full tripwire names it."""
+    from modeltap.record import tripwire
+
+    watched: list[str] = []
+    forward = tripwire.Watch.forward
+
+    def counted(self, name, *args, **kwargs) -> None:  # noqa: ANN001
+        watched.append(name)
+        forward(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(tripwire.Watch, "forward", counted)
+    trips = {}
+    for eager in (False, True):
+        torch.manual_seed(0)
+        model = Tiny()
+        poisoned = getattr(model, part)
+        steps = []
+
+        def poison(step: int, poisoned=poisoned, steps=steps) -> None:  # noqa: ANN001
+            steps.append(len(watched))
+            poisoned.on = step == 3
+
+        with pytest.raises(NonFiniteError) as caught:
+            run_steps(
+                model, tmp_path / f"run{eager}", 6, every=100, before=poison,
+                eager_tripwire=eager,
+            )  # fmt: skip
+        trips[eager] = caught.value.trip
+        per_step = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+        # step 0 recorded: 7 modules watched; 1 and 2: none (lazy) or 7 each (eager)
+        assert per_step == ([7, 7, 7] if eager else [7, 0, 0]), per_step
+    assert _trip_fields(trips[False]) == _trip_fields(trips[True])
+    assert trips[False].module == part and trips[False].unreproduced is None
+
+
+class Chance(nn.Module):
+    """A NaN in its output when a draw of the global RNG is below 0.5 (as dropout draws)."""
+
+    on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 1.0
+        if self.on and float(torch.rand(())) < 0.5:
+            y[0, 0] = float("nan")
+        return y
+
+
+def _chance_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), Chance(), nn.Linear(8, 3))
+
+
+def _draws(seed: int) -> tuple[float, float]:
+    generator = torch.Generator().manual_seed(seed)
+    return float(torch.rand((), generator=generator)), float(torch.rand((), generator=generator))
+
+
+def test_the_rerun_draws_what_the_step_drew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step runs again from its RNG states: the NaN that a draw made comes back. A control
+    run again without them (set_rng_states a no-op) doesn't find it."""
+    seed = next(s for s in range(100) if _draws(s)[0] < 0.5 <= _draws(s)[1])
+
+    def run(name: str) -> NonFiniteError:
+        model = _chance_model()
+
+        def poison(step: int) -> None:
+            model[1].on = step == 2
+            torch.manual_seed(seed)
+
+        with pytest.raises(NonFiniteError) as caught:
+            run_steps(model, tmp_path / name, 4, every=100, before=poison)
+        return caught.value
+
+    found = run("restored")
+    assert (found.trip.step, found.trip.module, found.trip.unreproduced) == (2, "1", None)
+    from modeltap.record import flight
+
+    monkeypatch.setattr(flight, "set_rng_states", lambda states: None)
+    missed = run("control")
+    assert missed.trip.module == "__root__" and missed.trip.step == 2
+    assert "the model's output was non-finite, but the step run again" in str(missed)
+    assert "eager_tripwire=True" in str(missed)
+
+
+class Once(nn.Module):
+    """A NaN in its first output after `armed` is set, then never again."""
+
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 1.0
+        if self.armed:
+            self.armed = False
+            y[0, 0] = float("nan")
+        return y
+
+
+def test_a_trip_the_rerun_cannot_make_again_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from modeltap.selection import ROOT
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), Once(), nn.Linear(8, 3))
+
+    def arm(step: int) -> None:
+        model[1].armed = step == 2
+
+    with caplog.at_level(logging.WARNING, logger="modeltap.record"):
+        rec, _ = run_steps(model, tmp_path / "run", 4, every=100, on_nonfinite="warn", before=arm)
+    # (warn goes on: the NaN reaches the backward and, through the update, later steps)
+    assert (rec.trips[0].step, rec.trips[0].phase, rec.trips[0].module) == (2, "forward", ROOT)
+    assert "step run again from the same inputs and RNG states" in caplog.text
+    events = read_run(tmp_path / "run").ranks[0].trips
+    assert events[0]["unreproduced"].startswith("the model's output was non-finite")
+    shown = CliRunner().invoke(app, ["show", str(tmp_path / "run")], terminal_width=200)
+    assert "tripwire: step 2 forward: the model's output was non-finite, but" in shown.output
+
+
+class Masked(nn.Module):
+    """Makes a NaN while `on`, which the code after it masks out."""
+
+    on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 1.0
+        if self.on:
+            y[0, 0] = float("nan")
+        return y
+
+
+def test_a_masked_nan_trips_only_the_eager_tripwire(tmp_path: Path) -> None:
+    """The documented difference: a NaN that never reaches the output (nor a gradient) trips
+    the full tripwire only."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(6, 3)
+            self.masked = Masked()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) + torch.nan_to_num(self.masked(x.detach()), nan=0.0).sum() * 0
+
+    def run(name: str, **options: bool) -> modeltap.record.Recording:
+        torch.manual_seed(0)
+        model = Model()
+
+        def poison(step: int) -> None:
+            model.masked.on = step == 2
+
+        return run_steps(model, tmp_path / name, 4, every=100, before=poison, **options)[0]
+
+    assert run("lazy").trips == []
+    with pytest.raises(NonFiniteError) as caught:
+        run("eager", eager_tripwire=True)
+    assert (caught.value.trip.step, caught.value.trip.module) == (2, "masked")

@@ -38,6 +38,17 @@ def rng_states(module: nn.Module) -> dict[str, torch.Tensor]:
     return states
 
 
+def set_rng_states(states: dict[str, torch.Tensor]) -> None:
+    """Put back what `rng_states` kept."""
+    import torch
+
+    for device, state in states.items():
+        if device == "cpu":
+            torch.set_rng_state(state)
+        else:
+            torch.cuda.set_rng_state(state, device)
+
+
 def write(
     writer: DumpWriter, call: Call, rng: dict[str, torch.Tensor] | None, bad_key: str
 ) -> dict[str, Any]:

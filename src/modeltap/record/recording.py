@@ -48,7 +48,8 @@ from modeltap.record.rules import (
     apply_rules,
     default_rules,
 )
-from modeltap.record.tripwire import BACKWARD, FORWARD, NonFiniteError, Trip, Watch
+from modeltap.record.sentinel import Sentinel
+from modeltap.record.tripwire import BACKWARD, FORWARD, NonFiniteError, Trip, Watch, float_leaves
 from modeltap.selection import ROOT, Selection, select_modules
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ class Recording:
         overwrite: bool = False,
         keep_last: int = 8,
         flight: bool = False,
+        eager_tripwire: bool = False,
     ) -> None:
         if not isinstance(every, int) or every < 1:
             raise InputError(f"every must be a whole number of steps >= 1, got {every!r}")
@@ -125,6 +127,10 @@ class Recording:
             raise InputError("flight=True needs the tripwire; drop on_nonfinite='off'")
         # The flight recorder: a forward trip's file lets `modeltap replay` re-run its module.
         self.flight = flight or on_nonfinite.startswith("dump")
+        # Steps that are not recorded check where non-finite values end up and run again under
+        # the full tripwire only when one does (record.sentinel); the flight recorder needs
+        # every call's RNG states and inputs, so it keeps the full tripwire.
+        self.eager_tripwire = eager_tripwire or self.flight
         self.rules: list[RuleFn] = list(default_rules() if rules is None else rules)
         self.gather = gather
         self.dead_threshold = dead_threshold
@@ -146,6 +152,8 @@ class Recording:
         self._handles: list[Any] = []
         self._index: IndexWriter | None = None
         self._watch: Watch | None = None
+        self._sentinel: Sentinel | None = None
+        self._lazy = False  # this step checks through the sentinel, not the full watch
         self._dumped: set[str] = set()
         self._lock = threading.Lock()
         self._optimizers: dict[int, bool] = {}
@@ -180,8 +188,13 @@ class Recording:
                     hold_grads=self.on_nonfinite.startswith("dump"),
                     on_backward_end=self._after_backward,
                 )
+                # a re-run on one rank would wait in collectives the others never join
+                if not self.eager_tripwire and self.rank.world_size == 1:
+                    self._sentinel = Sentinel(on_backward_end=self._after_lazy_backward)
             root = self.model
-            self._handles.append(root.register_forward_pre_hook(self._before_forward))
+            self._handles.append(
+                root.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+            )
             for name in self._modules:
                 hook = self._forward_hook(name)
                 module = self._by_name[name]
@@ -253,6 +266,8 @@ class Recording:
             self._writer.abort()  # a step in which the model never ran writes nothing
         if self._watch is not None:
             self._watch.reset()
+        if self._sentinel is not None:
+            self._sentinel.reset()
         self.step_index += 1
         self._begin_step()
         return hits
@@ -285,6 +300,8 @@ class Recording:
     def _begin_step(self) -> None:
         self._reset_step_state()
         self._recording = self.step_index % self.every == 0
+        sentinel = self._sentinel
+        self._lazy = bool(sentinel and sentinel.sources is not None and not self._recording)
         if not self._recording or (self.gather and self.rank.rank != 0):
             return  # gathering ranks other than 0 take part in the collectives only
         full = not self.stats_only or bool(
@@ -449,7 +466,10 @@ class Recording:
                 self._ran.add(name)
                 if self._recorder is not None:
                     self._recorder.record(name, output)
-            if self._watch is not None:
+            if self._lazy:
+                if name in self._sentinel.sources:  # type: ignore[union-attr]
+                    self._sentinel.source_output(name, output)  # type: ignore[union-attr]
+            elif self._watch is not None:
                 self._watch.forward(name, module, args, kwargs, output)
 
         return hook
@@ -543,14 +563,72 @@ class Recording:
 
         return hook
 
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
+    def _before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self._lazy and module.training and _grad_enabled():
+            from modeltap.record.flight import rng_states
+
+            self._sentinel.begin(args, kwargs, rng_states(module))  # type: ignore[union-attr]
         watch = self._watch
         if watch is not None and watch.calls and watch.forward_checked and not watch.grad_flags:
             # A forward whose tensors were kept for a backward that never came (no_grad, eval).
             watch.let_go()
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._check_forward()
+        if not self._lazy:
+            self._check_forward()
+        elif module.training and _grad_enabled():
+            if self._sentinel.root_output(output):  # type: ignore[union-attr]
+                self._rerun(FORWARD, "the model's output")
+
+    def _after_lazy_backward(self) -> None:
+        """The end of a backward on a step the sentinel checks (record.sentinel)."""
+        sentinel = self._sentinel
+        assert sentinel is not None
+        source = sentinel.bad_source()
+        if source is None:
+            sentinel.reset()
+        elif self.scaler is not None and _scaler_enabled(self.scaler):
+            self._step_skipped = True  # what a GradScaler looks for: see _check_backward
+            sentinel.reset()
+        else:
+            self._rerun(BACKWARD, f"the gradient of '{source}'s output")
+
+    def _rerun(self, phase: str, seen: str) -> None:
+        """The step's forwards (and for a backward trip, its backward) again, from the same
+        inputs and RNG states, under the full tripwire, which trips as a recorded step would;
+        when it doesn't, the trip says the step could not be made again."""
+        import torch
+
+        from modeltap.record.flight import rng_states, set_rng_states
+
+        sentinel, watch = self._sentinel, self._watch
+        assert sentinel is not None and watch is not None
+        forwards, sentinel.forwards = sentinel.forwards, []
+        starts = sentinel.backward_starts_of(forwards) if phase == BACKWARD else None
+        trips = len(self.trips)
+        saved = rng_states(self.model)
+        self._lazy = False
+        watch.reset()
+        try:
+            with torch.enable_grad():
+                outputs = []
+                for forward in forwards:
+                    set_rng_states(forward.rng)
+                    outputs.append(self.model(*forward.args, **forward.kwargs))
+                if starts is not None:
+                    tensors = [_grad_outputs(outputs[f])[i] for f, i, _ in starts]
+                    params = [p for _, p in self._named_params if p.requires_grad]
+                    torch.autograd.grad(
+                        tensors, params, [g for _, _, g in starts], allow_unused=True
+                    )
+                    self._check_pending()
+        finally:
+            set_rng_states(saved)
+            watch.reset()
+            sentinel.reset()
+            self._lazy = True
+        if len(self.trips) == trips:
+            self._trip(self._unreproduced(phase, seen, backward_kept=starts is not None))
 
     def _after_backward(self) -> None:
         self._check_backward()
@@ -569,6 +647,9 @@ class Recording:
             return
         found = watch.find_forward()
         if found is None:
+            if self._sentinel is not None and self._sentinel.sources is None and watch.calls:
+                # what the sentinel watches on the steps that are not recorded
+                self._sentinel.sources = {s.name for s in watch.shapes if not s.in_slots}
             self._rng = {}
             if not self.on_nonfinite.startswith("dump"):
                 watch.let_go()
@@ -845,6 +926,32 @@ class Recording:
         trip.file = self._trip_dump(trip, lambda writer, rec: self._dump_backward(writer, rec))
         return trip
 
+    def _unreproduced(self, phase: str, seen: str, *, backward_kept: bool) -> Trip:
+        if phase == BACKWARD and not backward_kept:
+            why = (
+                "its backward can't be run again: the gradients of the model's outputs were "
+                "too large to keep (a loss computed outside the model)"
+            )
+        else:
+            why = (
+                "the step run again from the same inputs and RNG states under the full tripwire "
+                "was finite (non-deterministic kernels, or inputs changed in place since)"
+            )
+        return Trip(
+            step=self.step_index,
+            rank=self.rank.rank,
+            phase=phase,
+            module=ROOT,
+            module_class=type(self.model).__name__,
+            key="",
+            stats={},
+            inputs={},
+            unreproduced=(
+                f"{seen} was non-finite, but {why}; record with eager_tripwire=True to check "
+                "every module as it runs"
+            ),
+        )
+
     def _trip(self, trip: Trip) -> None:
         self.trips.append(trip)
         if self._index is not None:
@@ -956,6 +1063,17 @@ def _scaler_enabled(scaler: Any) -> bool:
     return bool(is_enabled()) if callable(is_enabled) else True
 
 
+def _grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
+
+
+def _grad_outputs(output: Any) -> list[torch.Tensor]:
+    """The float outputs that need a gradient, in the order the sentinel numbers them."""
+    return [t for _, t in float_leaves(output) if t.requires_grad]
+
+
 def _nonfinite_params(module: nn.Module) -> dict[str, dict[str, Any]]:
     import torch
 
@@ -994,6 +1112,7 @@ def record(
     overwrite: bool = False,
     keep_last: int = 8,
     flight: bool = False,
+    eager_tripwire: bool = False,
 ) -> Recording:
     """Record `model` inside a training loop: `with record(model, "runs/x") as rec: ... rec.step()`.
 
@@ -1018,6 +1137,13 @@ def record(
     (see `modeltap.record.flight`) that `modeltap replay` re-runs, with the statistics of the last
     `keep_last` recorded steps as `trend` metadata; alone it holds nothing more than the tripwire,
     while "dump" keeps every tensor of the step for its full dump.
+
+    The tripwire checks every module's output and gradient on recorded steps. On the others it
+    checks the model's outputs and the gradients of the source modules (those with no input
+    needing a gradient), and runs the step again under the full check only when one is
+    non-finite (`modeltap.record.sentinel`): a NaN that the code after it masks out, or a weight
+    gradient that alone overflows, goes unseen there. `eager_tripwire=True` checks everything
+    on every step (as do the flight recorder and runs of several ranks).
     """
     return Recording(
         model,
@@ -1043,4 +1169,5 @@ def record(
         overwrite=overwrite,
         keep_last=keep_last,
         flight=flight,
+        eager_tripwire=eager_tripwire,
     )

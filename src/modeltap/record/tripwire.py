@@ -42,6 +42,9 @@ class Trip:
     params: dict[str, dict[str, Any]] = field(default_factory=dict)  # non-finite parameters
     propagated: bool = False  # no module had finite inputs: the first non-finite tensor is shown
     file: str | None = None
+    # A lazily checked step (record.sentinel) whose run again under the full tripwire was
+    # finite: what was seen non-finite, and why it could not be made again.
+    unreproduced: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -49,6 +52,8 @@ class Trip:
     def message(self) -> str:
         bad = _count(self.stats)
         where = f"non-finite {self.phase} at step {self.step} (rank {self.rank}): "
+        if self.unreproduced is not None:
+            return where + self.unreproduced
         if self.phase == BACKWARD and self.propagated:
             text = where + (
                 f"the gradient '{self.key}' ({bad}) was already non-finite when it reached "

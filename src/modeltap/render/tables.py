@@ -325,6 +325,9 @@ def run_heading(run: RunIndex, rank: int) -> Text:
         text.append(", ".join(f"{n} {r}" for r, n in counts.items()), style="yellow")
     for trip in index.trips:
         text.append("\ntripwire: ", style="bold red")
+        if trip.get("unreproduced"):  # a lazily checked step that its re-run didn't trip
+            text.append(f"step {trip['step']} {trip['phase']}: {trip['unreproduced']}", "red")
+            continue
         text.append(
             f"step {trip['step']} {trip['phase']}: module '{trip['module']}' "
             f"({trip['module_class']}), tensor {trip['key']}"

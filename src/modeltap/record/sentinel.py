@@ -1,0 +1,172 @@
+"""The tripwire of a step that is not recorded: check where non-finite values end up, and look
+for the module that made one only when one does.
+
+A NaN or Inf that a module's forward makes reaches the model's outputs (arithmetic passes it on)
+unless the code after it masks it out. One that a backward makes reaches the gradients w.r.t. the
+outputs of the *source* modules: those whose output needs a gradient while no input does (the
+embeddings). Every activation gradient flows down to them. So on a step that is not recorded:
+
+- the root's float outputs are checked (one reduction each);
+- the sources' output gradients are checked (one reduction each) when the backward ends;
+- the root's inputs, the RNG states it started from, and the gradients its small outputs
+  (a loss) received are kept by reference until the step's backward has been checked.
+
+Only when one of these checks finds a non-finite value does the step run again, from the same
+inputs and RNG states, under the full tripwire (every module's output and gradient, `Watch`).
+That run names the producer as a recorded step would. A forward runs once more, and for a
+backward trip its backward too, through `torch.autograd.grad`, which adds nothing to `.grad`.
+
+What this checks less than the full tripwire (`record(..., eager_tripwire=True)`):
+- a non-finite activation that the code after it masks out;
+- a non-finite parameter gradient that is made from finite activations and output gradients
+  (an overflow of the weight gradient's own sum);
+- a backward re-run whose loss the model doesn't return: its large outputs' gradients are not
+  kept, so the trip names the first source module whose gradient was non-finite.
+
+A run that can't be made again the same way (non-deterministic kernels, inputs changed in place
+since) is reported as such. The sources are learned from the first fully watched forward:
+until then, and on recorded steps, the full tripwire runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from modeltap.record.tripwire import _bad, flag, float_leaves
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
+# A root output this small has its gradient kept for a backward re-run (a loss, a few logits).
+HELD_GRAD_ELEMENTS = 1 << 16
+
+
+@dataclass
+class Forward:
+    """One root forward of the step: what a re-run needs."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rng: dict[str, torch.Tensor]
+    outputs: list[torch.Tensor] = field(default_factory=list)  # float, requiring grad
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # by position in outputs
+    unheld: set[int] = field(default_factory=set)  # outputs whose gradient came but wasn't kept
+
+
+class Sentinel:
+    """The per-step state of the lazy tripwire (see the module docstring)."""
+
+    def __init__(self, on_backward_end: Callable[[], None]) -> None:
+        self.on_backward_end = on_backward_end
+        self.sources: set[str] | None = None  # None until a fully watched forward found them
+        self.forwards: list[Forward] = []
+        self.source_flags: list[tuple[str, torch.Tensor]] = []
+        self._queued = False
+
+    # -- forward ----------------------------------------------------------------------------
+    def begin(self, args: tuple[Any, ...], kwargs: dict[str, Any], rng: Any) -> None:
+        self.forwards.append(Forward(args, dict(kwargs), rng))
+
+    def root_output(self, output: Any) -> bool:
+        """Check the root's float outputs; True when one is non-finite. Outputs that need a
+        gradient get a hook that notes (and, when small, keeps) the gradient they receive."""
+        outputs = [t for _, t in float_leaves(output)]
+        if _bad(flag(t) for t in outputs):
+            return True
+        if self.forwards:
+            forward = self.forwards[-1]
+            for t in outputs:
+                if t.requires_grad:
+                    forward.outputs.append(t)
+                    t.register_hook(self._output_hook(forward, len(forward.outputs) - 1, t))
+        return False
+
+    def source_output(self, name: str, output: Any) -> None:
+        for _, t in float_leaves(output):
+            if t.requires_grad:
+                t.register_hook(self._source_hook(name))
+
+    # -- backward ---------------------------------------------------------------------------
+    def _queue(self) -> None:
+        if not self._queued:
+            from torch.autograd import Variable
+
+            self._queued = True
+            Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _output_hook(self, forward: Forward, i: int, t: torch.Tensor) -> Callable[..., None]:
+        held = t.numel() <= HELD_GRAD_ELEMENTS
+
+        def hook(grad: torch.Tensor) -> None:
+            self._queue()
+            if held:
+                forward.grads[i] = grad
+            else:
+                forward.unheld.add(i)
+
+        return hook
+
+    def _source_hook(self, name: str) -> Callable[..., None]:
+        def hook(grad: torch.Tensor) -> None:
+            self._queue()
+            self.source_flags.append((name, flag(grad)))
+
+        return hook
+
+    def _backward_done(self) -> None:
+        self._queued = False
+        self.on_backward_end()
+
+    def bad_source(self) -> str | None:
+        """The first source (in gradient order) whose output gradient was non-finite."""
+        bad = _bad(f for _, f in self.source_flags)
+        return self.source_flags[bad[0]][0] if bad else None
+
+    @staticmethod
+    def backward_starts_of(
+        forwards: list[Forward],
+    ) -> list[tuple[int, int, torch.Tensor]] | None:
+        """(forward, output position, gradient) from which the step's backward can run again:
+        the kept gradients of outputs that no other kept output was computed from (a loss, not
+        the logits it was computed from). None when an output whose gradient wasn't kept (too
+        large) is not among what the kept ones were computed from: the backward started there
+        too, and can't be run again."""
+        kept = [(f, i, g) for f, fw in enumerate(forwards) for i, g in fw.grads.items()]
+        nodes = [forwards[f].outputs[i].grad_fn for f, i, _ in kept]
+        below = _reachable([n for n in nodes if n is not None])
+        starts = [
+            start
+            for start, node in zip(kept, nodes, strict=True)
+            if node is not None and node not in below[node]
+        ]
+        unheld = [fw.outputs[i].grad_fn for fw in forwards for i in fw.unheld]
+        if not starts or any(n is not None and n not in below[None] for n in unheld):
+            return None
+        return starts
+
+    def reset(self) -> None:
+        self.forwards = []
+        self.source_flags = []
+
+
+def _reachable(nodes: list[Any]) -> dict[Any, set[Any]]:
+    """For each node, the autograd nodes reachable from the others (not counting itself);
+    under None, those reachable from any."""
+    seen_from: dict[Any, set[Any]] = {}
+    for node in nodes:
+        seen: set[Any] = set()
+        stack = [n for n, _ in node.next_functions if n is not None]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            stack.extend(m for m, _ in n.next_functions if m is not None)
+        seen_from[node] = seen
+    result: dict[Any, set[Any]] = {None: set().union(*seen_from.values()) if seen_from else set()}
+    for node in nodes:
+        result[node] = set().union(*(s for n, s in seen_from.items() if n is not node))
+    return result
