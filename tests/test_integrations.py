@@ -583,3 +583,49 @@ def test_run_diff_refuses_what_applies_to_dumps_only(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "--junit and --strict can't apply to run folders" in result.output
     assert not (tmp_path / "r.xml").exists()
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_trainer_trip_at_an_unrecorded_step_names_the_module(tmp_path: Path, eager: bool) -> None:
+    """transformers' Trainer with gradient accumulation and an eval, every=100: a NaN written
+    into the second layer's attention output at global step 3 (not recorded) raises out of
+    train() naming that module and step, lazily (the step run again) as eagerly. A fault that
+    only the first call makes is tested in test_record (the re-run says it can't make it again)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from modeltap.integrations import ModeltapCallback
+    from modeltap.record import NonFiniteError
+
+    model = _classifier()
+    target = model.bert.encoder.layer[1].attention.output.dense
+    armed = {"on": False}
+
+    class Arm(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            armed["on"] = state.global_step + 1 == 3
+
+    def poison(module, args, output):  # every training forward of global step 3
+        if armed["on"] and module.training and torch.is_grad_enabled():
+            output = output.clone()
+            output[0, 0, 0] = float("nan")
+            return output
+        return None
+
+    target.register_forward_hook(poison)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "trainer"), max_steps=5, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, eval_strategy="steps", eval_steps=1,
+        per_device_eval_batch_size=2, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+        disable_tqdm=True, logging_strategy="no",
+    )  # fmt: skip
+    callback = ModeltapCallback(tmp_path / "run", every=100, eager_tripwire=eager)
+    trainer = Trainer(
+        model=model, args=args, train_dataset=_Texts(24), eval_dataset=_Texts(2),
+        callbacks=[Arm(), callback],
+    )  # fmt: skip
+    with pytest.raises(NonFiniteError) as caught:
+        trainer.train()
+    trip = caught.value.trip
+    assert (trip.step, trip.phase) == (3, "forward")
+    assert (trip.module, trip.key) == ("bert.encoder.layer.1.attention.output.dense",) * 2
+    assert trip.unreproduced is None and trip.stats["nan"] == 1
