@@ -51,7 +51,9 @@ class Forward:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     rng: dict[str, torch.Tensor]
-    outputs: list[torch.Tensor] = field(default_factory=list)  # float, requiring grad
+    # the autograd nodes of its float outputs that need a gradient (not the tensors: a large
+    # output held through the backward would cost its memory)
+    nodes: list[Any] = field(default_factory=list)
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # by position in outputs
     unheld: set[int] = field(default_factory=set)  # outputs whose gradient came but wasn't kept
 
@@ -80,8 +82,8 @@ class Sentinel:
             forward = self.forwards[-1]
             for t in outputs:
                 if t.requires_grad:
-                    forward.outputs.append(t)
-                    t.register_hook(self._output_hook(forward, len(forward.outputs) - 1, t))
+                    forward.nodes.append(t.grad_fn)
+                    t.register_hook(self._output_hook(forward, len(forward.nodes) - 1, t))
         return False
 
     def source_output(self, name: str, output: Any) -> None:
@@ -135,14 +137,14 @@ class Sentinel:
         large) is not among what the kept ones were computed from: the backward started there
         too, and can't be run again."""
         kept = [(f, i, g) for f, fw in enumerate(forwards) for i, g in fw.grads.items()]
-        nodes = [forwards[f].outputs[i].grad_fn for f, i, _ in kept]
+        nodes = [forwards[f].nodes[i] for f, i, _ in kept]
         below = _reachable([n for n in nodes if n is not None])
         starts = [
             start
             for start, node in zip(kept, nodes, strict=True)
             if node is not None and node not in below[node]
         ]
-        unheld = [fw.outputs[i].grad_fn for fw in forwards for i in fw.unheld]
+        unheld = [fw.nodes[i] for fw in forwards for i in fw.unheld]
         if not starts or any(n is not None and n not in below[None] for n in unheld):
             return None
         return starts
