@@ -200,7 +200,7 @@ def trainer_figures(reps: int) -> None:
     }
     times: dict[str, list[float]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory() as tmp:
-        for rep in range(max(1, reps // 2)):
+        for rep in range(max(1, reps // 2)):  # each run: 12 steps of each kind
             for name, (every, options) in kinds.items():
                 times[name] += trainer_run(every, Path(tmp) / "run", **options)
             print(f"trainer rep {rep + 1}: " + ", ".join(
