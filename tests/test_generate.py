@@ -870,3 +870,13 @@ def test_an_exported_module_takes_every_length_and_equals_the_module() -> None:
         stand_in(hidden, cache=DynamicCache(), **kwargs)
     stand_in.train()  # an exported graph's train() raises; the stand-in's doesn't
     assert stand_in.training and not stand_in.graphs[0].training
+
+
+def test_an_exported_module_takes_each_dtype_in_a_graph_of_its_own() -> None:
+    from modeltap.compare.backends import exported_module
+
+    stand_in = exported_module(torch.nn.GELU(), "act")
+    for dtype in (torch.float32, torch.float64, torch.float32):
+        x = torch.randn(3, 5, dtype=dtype)
+        torch.testing.assert_close(stand_in(x), torch.nn.functional.gelu(x), rtol=0, atol=0)
+    assert len(stand_in.graphs) == 2

@@ -230,21 +230,23 @@ def _same_fixed(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     )
 
 
-def _fits(sizes: list[tuple[int | None, ...]], tensors: list[Any]) -> bool:
-    """Whether `tensors` have the graph's fixed sizes (None: a dynamic dimension)."""
+def _fits(sizes: list[tuple[Any, tuple[int | None, ...]]], tensors: list[Any]) -> bool:
+    """Whether `tensors` have the graph's dtypes and fixed sizes (None: a dynamic dimension)."""
     if len(sizes) != len(tensors):
         return False
     return all(
-        len(shape) == t.dim() and all(s in (None, n) for s, n in zip(shape, t.shape, strict=True))
-        for shape, t in zip(sizes, tensors, strict=True)
+        dtype == t.dtype
+        and len(shape) == t.dim()
+        and all(s in (None, n) for s, n in zip(shape, t.shape, strict=True))
+        for (dtype, shape), t in zip(sizes, tensors, strict=True)
     )
 
 
 def _export_call(
     module: nn.Module, name: str, spec: Any, fixed: tuple[Any, ...], tensors: list[Any]
-) -> tuple[nn.Module, list[tuple[int | None, ...]]]:
-    """Export `module` for calls shaped like this one: the graph (taking the tensors) and the
-    sizes it fixed per tensor."""
+) -> tuple[nn.Module, list[tuple[Any, tuple[int | None, ...]]]]:
+    """Export `module` for calls shaped like this one: the graph (taking the tensors) and, per
+    tensor, its dtype and the sizes the graph fixed."""
     import torch
     from torch import nn
     from torch.export import Dim
@@ -276,8 +278,11 @@ def _export_call(
         ) from exc
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     sizes = [
-        tuple(s if isinstance(s, int) else None for s in placeholders[i].meta["val"].shape)
-        for i in program.graph_signature.user_inputs
+        (
+            t.dtype,
+            tuple(s if isinstance(s, int) else None for s in placeholders[i].meta["val"].shape),
+        )
+        for i, t in zip(program.graph_signature.user_inputs, tensors, strict=True)
     ]
     graph = program.module()
     for part in graph.modules():  # its train() and eval() raise: set the flag itself
