@@ -128,9 +128,9 @@ class Recording:
         # The flight recorder: a forward trip's file lets `modeltap replay` re-run its module.
         self.flight = flight or on_nonfinite.startswith("dump")
         # Steps that are not recorded check where non-finite values end up and run again under
-        # the full tripwire only when one does (record.sentinel); the flight recorder needs
-        # every call's RNG states and inputs, so it keeps the full tripwire.
-        self.eager_tripwire = eager_tripwire or self.flight
+        # the full tripwire only when one does (record.sentinel); the flight recorder and "dump"
+        # take what they keep from that run, which starts from the step's own RNG states.
+        self.eager_tripwire = eager_tripwire
         self.rules: list[RuleFn] = list(default_rules() if rules is None else rules)
         self.gather = gather
         self.dead_threshold = dead_threshold
@@ -558,6 +558,8 @@ class Recording:
 
         def hook(module: nn.Module, args: Any) -> None:
             watch = self._watch
+            if self._lazy:
+                return  # a lazily checked step keeps its RNG states once, for a re-run
             if watch is not None and model.training and grad_enabled():
                 self._rng[(name, watch.counts.get(name, 0))] = rng_states(module)
 
@@ -1143,7 +1145,8 @@ def record(
     needing a gradient), and runs the step again under the full check only when one is
     non-finite (`modeltap.record.sentinel`): a NaN that the code after it masks out, or a weight
     gradient that alone overflows, goes unseen there. `eager_tripwire=True` checks everything
-    on every step (as do the flight recorder and runs of several ranks).
+    on every step (as do runs of several ranks); "dump" and the flight recorder write what the
+    step's re-run, from its own RNG states, holds.
     """
     return Recording(
         model,

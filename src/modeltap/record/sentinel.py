@@ -23,6 +23,7 @@ What this checks less than the full tripwire (`record(..., eager_tripwire=True)`
 - a backward re-run whose loss the model doesn't return: its large outputs' gradients are not
   kept, so the trip names the first source module whose gradient was non-finite.
 
+"dump" and the flight recorder write what that re-run holds: it draws what the step drew.
 A run that can't be made again the same way (non-deterministic kernels, inputs changed in place
 since) is reported as such. The sources are learned from the first fully watched forward:
 until then, and on recorded steps, the full tripwire runs.
