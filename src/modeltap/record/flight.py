@@ -39,13 +39,14 @@ def rng_states(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def set_rng_states(states: dict[str, torch.Tensor]) -> None:
-    """Put back what `rng_states` kept."""
+    """Put back what `rng_states` kept (a CUDA device's state only where CUDA is: a record
+    replayed on a CPU-only machine)."""
     import torch
 
     for device, state in states.items():
         if device == "cpu":
             torch.set_rng_state(state)
-        else:
+        elif torch.cuda.is_available():
             torch.cuda.set_rng_state(state, device)
 
 

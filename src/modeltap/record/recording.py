@@ -48,8 +48,8 @@ from modeltap.record.rules import (
     apply_rules,
     default_rules,
 )
-from modeltap.record.sentinel import Sentinel
-from modeltap.record.tripwire import BACKWARD, FORWARD, NonFiniteError, Trip, Watch, float_leaves
+from modeltap.record.sentinel import Sentinel, grad_leaves
+from modeltap.record.tripwire import BACKWARD, FORWARD, NonFiniteError, Trip, Watch
 from modeltap.selection import ROOT, Selection, select_modules
 
 if TYPE_CHECKING:
@@ -618,7 +618,7 @@ class Recording:
                     set_rng_states(forward.rng)
                     outputs.append(self.model(*forward.args, **forward.kwargs))
                 if starts is not None:
-                    tensors = [_grad_outputs(outputs[f])[i] for f, i, _ in starts]
+                    tensors = [grad_leaves(outputs[f])[i] for f, i, _ in starts]
                     params = [p for _, p in self._named_params if p.requires_grad]
                     torch.autograd.grad(
                         tensors, params, [g for _, _, g in starts], allow_unused=True
@@ -1069,11 +1069,6 @@ def _grad_enabled() -> bool:
     import torch
 
     return torch.is_grad_enabled()
-
-
-def _grad_outputs(output: Any) -> list[torch.Tensor]:
-    """The float outputs that need a gradient, in the order the sentinel numbers them."""
-    return [t for _, t in float_leaves(output) if t.requires_grad]
 
 
 def _nonfinite_params(module: nn.Module) -> dict[str, dict[str, Any]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modeltap.errors import InputError, RunError, first_line
-from modeltap.record.flight import PREFIX
+from modeltap.record.flight import PREFIX, set_rng_states
 
 if TYPE_CHECKING:
     import torch
@@ -124,12 +124,7 @@ def replay(
     saved_cpu = torch.get_rng_state()
     try:
         module.train(flight["training"])
-        for device in flight["rng"]:
-            rng = dump[f"{PREFIX}rng/{device}"]
-            if device == "cpu":
-                torch.set_rng_state(rng)
-            elif torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng, device)
+        set_rng_states({device: dump[f"{PREFIX}rng/{device}"] for device in flight["rng"]})
         with torch.no_grad():
             output = module(*args, **kwargs)
     except Exception as exc:  # the user's module can fail in any way

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from modeltap.record.tripwire import _bad, flag, float_leaves
+from modeltap.record.tripwire import BackwardEnd, _bad, flag, float_leaves
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -55,7 +55,7 @@ class Forward:
     # the autograd nodes of its float outputs that need a gradient (not the tensors: a large
     # output held through the backward would cost its memory)
     nodes: list[Any] = field(default_factory=list)
-    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # by position in outputs
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # by position in `nodes`
     unheld: set[int] = field(default_factory=set)  # outputs whose gradient came but wasn't kept
 
 
@@ -63,11 +63,10 @@ class Sentinel:
     """The per-step state of the lazy tripwire (see the module docstring)."""
 
     def __init__(self, on_backward_end: Callable[[], None]) -> None:
-        self.on_backward_end = on_backward_end
+        self.backward_end = BackwardEnd(on_backward_end)
         self.sources: set[str] | None = None  # None until a fully watched forward found them
         self.forwards: list[Forward] = []
         self.source_flags: list[tuple[str, torch.Tensor]] = []
-        self._queued = False
 
     # -- forward ----------------------------------------------------------------------------
     def begin(self, args: tuple[Any, ...], kwargs: dict[str, Any], rng: Any) -> None:
@@ -76,35 +75,24 @@ class Sentinel:
     def root_output(self, output: Any) -> bool:
         """Check the root's float outputs; True when one is non-finite. Outputs that need a
         gradient get a hook that notes (and, when small, keeps) the gradient they receive."""
-        outputs = [t for _, t in float_leaves(output)]
-        if _bad(flag(t) for t in outputs):
+        if _bad(flag(t) for _, t in float_leaves(output)):
             return True
         if self.forwards:
             forward = self.forwards[-1]
-            for t in outputs:
-                if t.requires_grad:
-                    forward.nodes.append(t.grad_fn)
-                    t.register_hook(self._output_hook(forward, len(forward.nodes) - 1, t))
+            for t in grad_leaves(output):
+                forward.nodes.append(t.grad_fn)
+                held = t.numel() <= HELD_GRAD_ELEMENTS
+                t.register_hook(self._output_hook(forward, len(forward.nodes) - 1, held))
         return False
 
     def source_output(self, name: str, output: Any) -> None:
-        for _, t in float_leaves(output):
-            if t.requires_grad:
-                t.register_hook(self._source_hook(name))
+        for t in grad_leaves(output):
+            t.register_hook(self._source_hook(name))
 
     # -- backward ---------------------------------------------------------------------------
-    def _queue(self) -> None:
-        if not self._queued:
-            from torch.autograd import Variable
-
-            self._queued = True
-            Variable._execution_engine.queue_callback(self._backward_done)
-
-    def _output_hook(self, forward: Forward, i: int, t: torch.Tensor) -> Callable[..., None]:
-        held = t.numel() <= HELD_GRAD_ELEMENTS
-
+    def _output_hook(self, forward: Forward, i: int, held: bool) -> Callable[..., None]:
         def hook(grad: torch.Tensor) -> None:
-            self._queue()
+            self.backward_end.arm()
             if held:
                 forward.grads[i] = grad
             else:
@@ -114,14 +102,10 @@ class Sentinel:
 
     def _source_hook(self, name: str) -> Callable[..., None]:
         def hook(grad: torch.Tensor) -> None:
-            self._queue()
+            self.backward_end.arm()
             self.source_flags.append((name, flag(grad)))
 
         return hook
-
-    def _backward_done(self) -> None:
-        self._queued = False
-        self.on_backward_end()
 
     def bad_source(self) -> str | None:
         """The first source (in gradient order) whose output gradient was non-finite."""
@@ -153,6 +137,12 @@ class Sentinel:
     def reset(self) -> None:
         self.forwards = []
         self.source_flags = []
+
+
+def grad_leaves(output: Any) -> list[torch.Tensor]:
+    """The float tensors of `output` that need a gradient, in the order `Forward.nodes` has
+    them (a re-run finds its own outputs at the same positions)."""
+    return [t for _, t in float_leaves(output) if t.requires_grad]
 
 
 def _reachable(nodes: list[Any]) -> dict[Any, set[Any]]:

@@ -156,12 +156,32 @@ class Shape:
     out_slots: list[int]
 
 
+class BackwardEnd:
+    """Calls `callback` once, when the backward in which `arm()` was first called ends (from a
+    gradient hook: autograd's queue of callbacks for the running backward)."""
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self.callback = callback
+        self._queued = False
+
+    def arm(self) -> None:
+        if not self._queued:
+            from torch.autograd import Variable
+
+            self._queued = True
+            Variable._execution_engine.queue_callback(self._done)
+
+    def _done(self) -> None:
+        self._queued = False
+        self.callback()
+
+
 class Watch:
     """Collects the flags of one step's forward(s) and backward(s); finds the producer."""
 
     def __init__(self, *, hold_grads: bool, on_backward_end: Callable[[], None]) -> None:
         self.hold_grads = hold_grads
-        self.on_backward_end = on_backward_end
+        self.backward_end = BackwardEnd(on_backward_end)
         self.calls: list[Call] = []
         self.shapes: list[Shape] = []
         self.counts: dict[str, int] = {}
@@ -172,7 +192,6 @@ class Watch:
         self.grads: dict[int, torch.Tensor] = {}
         self.forward_checked = True
         self._order = itertools.count()
-        self._queued = False
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -239,20 +258,12 @@ class Watch:
     # -- backward ---------------------------------------------------------------------------
     def _grad_hook(self, slot: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            if not self._queued:
-                from torch.autograd import Variable
-
-                self._queued = True
-                Variable._execution_engine.queue_callback(self._backward_done)
+            self.backward_end.arm()
             self.grad_flags[slot] = (next(self._order), flag(grad))
             if self.hold_grads:
                 self.grads[slot] = grad
 
         return hook
-
-    def _backward_done(self) -> None:
-        self._queued = False
-        self.on_backward_end()
 
     def find_backward(self) -> tuple[Shape, int, bool] | None:
         """(call shape, non-finite slot, propagated) of the first non-finite gradient's producer.
