@@ -223,6 +223,10 @@ def compare_command(
             "add --generate N or drop {flags}",
         )
     variant = parse_against(s.against)
+    if variant.backend:  # before the weights load
+        from modeltap.compare.backends import check_depth
+
+        check_depth(variant.backend, s.depth)
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
     _check_replayable(s.model, "MODEL")

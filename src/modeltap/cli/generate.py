@@ -379,11 +379,6 @@ def run_compare_generate(
     given = [flag for flag, value in refused.items() if value]
     if given:
         raise InputError(f"{given[0]} is for one-forward comparisons; drop it with --generate")
-    if variant.backend and (s.depth is None or s.depth < 1):
-        raise InputError(
-            f"--against {variant.backend} replays at one depth: give --depth N (1 or more; e.g. "
-            "2 for each block of a GPT-2, 3 for each layer of a Llama)"
-        )
     if s.do_sample and not seed_given:
         raise InputError(
             "--do-sample in compare needs --seed N: the candidate is forced to the tokens the "

@@ -42,12 +42,19 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, last, new)
 
 
-def _names(backend: str, candidate: nn.Module, depth: int | None) -> list[str]:
+def check_depth(backend: str, depth: int | None) -> None:
+    """compile and export transform the modules at one depth: refuse a missing one (before the
+    weights load, where the caller can)."""
     if depth is None or depth < 1:
         raise InputError(
             f"--against {backend} replays at one depth: give --depth N (1 or more; e.g. 3 for "
-            "each layer of a BERT)"
+            "each layer of a BERT or a Llama)"
         )
+
+
+def _names(backend: str, candidate: nn.Module, depth: int | None) -> list[str]:
+    check_depth(backend, depth)
+    assert depth is not None
     names = modules_at(candidate, depth)
     if not names:
         raise InputError(f"no module to {backend} at --depth {depth}; `modeltap ls` shows them")
