@@ -293,7 +293,9 @@ def _numpy_reference(x: torch.Tensor, mask: torch.Tensor | None, threshold: floa
     return ref
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float8_e4m3fn, torch.int64]
+)
 @pytest.mark.parametrize(
     "shape",
     [(5_000,), (3, 2_100), (2, 9, 150), (6, 5, 4, 40)],  # row pieces, whole rows, many blocks

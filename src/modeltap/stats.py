@@ -364,17 +364,23 @@ def _batched(
     return results
 
 
-def _chunks(x: torch.Tensor, units: int | None) -> Iterator[tuple[int, torch.Tensor]]:
-    """(first row, rows converted to the working dtype) of x.reshape(-1, units), bounded size."""
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor's values are reduced in: float32 and float64 as they are, 32- and
+    64-bit integers in float64 (exact), the rest in float32 (exact for 16- and 8-bit floats,
+    bool and small integers)."""
     import torch
 
+    if dtype in (torch.float32, torch.float64):
+        return dtype
+    if dtype in (torch.int32, torch.int64, torch.uint32, torch.uint64):
+        return torch.float64
+    return torch.float32
+
+
+def _chunks(x: torch.Tensor, units: int | None) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, rows converted to the working dtype) of x.reshape(-1, units), bounded size."""
     rows = x.reshape(-1, units or 1)
-    if x.dtype in (torch.float32, torch.float64):
-        work = x.dtype  # read in place
-    elif x.dtype in (torch.int32, torch.int64, torch.uint32, torch.uint64):
-        work = torch.float64  # exact
-    else:
-        work = torch.float32  # exact for 16-bit floats, bool and small integers
+    work = _work_dtype(x.dtype)
     step = max(1, CHUNK_ELEMENTS // (units or 1))
     for start in range(0, rows.shape[0], step):
         chunk = rows[start : start + step]
@@ -489,22 +495,26 @@ BLOCK = 1 << 17
 def _blocks(
     x: torch.Tensor, units: int | None, size: int
 ) -> Iterator[tuple[Any, slice, slice]]:
-    """(block, its rows, its columns) of x as a [rows, units] numpy array, in memory order: whole
+    """(block, its rows, its columns) of x as a [rows, units] numpy array, in row order: whole
     rows when a block holds at least one, else pieces of a row (a 1-D tensor is one row). The
-    block is a view where x is float32/float64, else a copy widened exactly into a reused buffer
-    (float32 for 16-bit floats, bool and small integers; float64 for wider integers)."""
+    block is a view where x is float32/float64, else a copy widened exactly (`_work_dtype`) into
+    a reused buffer."""
     import numpy as np
     import torch
 
     width = units or max(1, x.numel())
     x = x.reshape(-1, width)
+    work_dtype = _work_dtype(x.dtype)
+    work = None if work_dtype == x.dtype else np.dtype(str(work_dtype).removeprefix("torch."))
     bfloat = x.dtype == torch.bfloat16
+    values: Any
     if bfloat:  # numpy has no bfloat16: its bits are a float32's upper half
         values = x.view(torch.int16).numpy().view(np.uint16)
     else:
-        values = x.numpy()
-    wide = x.dtype in (torch.int32, torch.int64, torch.uint32, torch.uint64)
-    work = None if values.dtype in (np.float32, np.float64) else np.float64 if wide else np.float32
+        try:
+            values = x.numpy()
+        except TypeError:  # a dtype numpy lacks (float8): torch widens each block
+            values = x
     step = max(1, size // width)
     span = min(width, size)
     for start in range(0, x.shape[0], step):
@@ -513,9 +523,12 @@ def _blocks(
             columns = slice(first, first + span)
             block = values[rows, columns] if span < width else values[rows]
             if work is not None:
-                into = _buffer("widened", work, block.size)[: block.size].reshape(block.shape)
+                n = math.prod(block.shape)
+                into = _buffer("widened", work, n)[:n].reshape(block.shape)
                 if bfloat:
                     np.left_shift(block, 16, out=into.view(np.uint32), dtype=np.uint32)
+                elif isinstance(block, torch.Tensor):
+                    torch.from_numpy(into).copy_(block)
                 else:
                     np.copyto(into, block, casting="unsafe")
                 block = into
@@ -533,7 +546,7 @@ def _buffer(use: str, dtype: Any, size: int) -> Any:
     buffers = getattr(_LOCAL, "buffers", None)
     if buffers is None:
         buffers = _LOCAL.buffers = {}
-    key = (use, dtype, size > BLOCK)
+    key = (use, np.dtype(dtype))
     buffer = buffers.get(key)
     if buffer is None or buffer.size < size:
         buffer = buffers[key] = np.empty(max(size, BLOCK), dtype=dtype)
