@@ -360,3 +360,18 @@ def test_cpu_statistics_are_the_same_bits_whatever_torchs_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert seen[0::2] == [seen[0]] * 3 and seen[1::2] == [seen[1]] * 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_strided_tensor_has_the_statistics_of_its_contiguous_copy(dtype) -> None:
+    """Rows are read in logical order whatever the layout (numpy lays a transposed tensor out),
+    so a permuted output and its contiguous copy give the same bits; both against float64."""
+    torch.manual_seed(0)
+    x = (torch.randn(4, 300, 200) * 2.0 + 0.5).to(dtype).transpose(1, 2)  # [4, 200, 300]
+    assert not x.is_contiguous()
+    got = tensor_stats(x, count_zeros=True, hist=True)
+    assert got == tensor_stats(x.contiguous(), count_zeros=True, hist=True)
+    ref = _numpy_reference(x, None, 0.0)
+    assert (got.min, got.max, got.dead) == (ref["min"], ref["max"], ref["dead"])
+    assert got.mean == pytest.approx(ref["mean"], rel=1e-7)
+    assert got.hist == reference_hist(x)

@@ -503,21 +503,22 @@ def _blocks(
     import torch
 
     width = units or max(1, x.numel())
-    x = x.reshape(-1, width)
     work_dtype = _work_dtype(x.dtype)
     work = None if work_dtype == x.dtype else np.dtype(str(work_dtype).removeprefix("torch."))
     bfloat = x.dtype == torch.bfloat16
     values: Any
+    # rows of `width` laid out by numpy (a copy only for a strided tensor): the writer thread
+    # that runs this starts no torch parallel op, so no OpenMP team beside the model's
     if bfloat:  # numpy has no bfloat16: its bits are a float32's upper half
-        values = x.view(torch.int16).numpy().view(np.uint16)
+        values = x.view(torch.int16).numpy().view(np.uint16).reshape(-1, width)
     else:
         try:
-            values = x.numpy()
+            values = x.numpy().reshape(-1, width)
         except TypeError:  # a dtype numpy lacks (float8): torch widens each block
-            values = x
+            values = x.reshape(-1, width)
     step = max(1, size // width)
     span = min(width, size)
-    for start in range(0, x.shape[0], step):
+    for start in range(0, values.shape[0], step):
         rows = slice(start, start + step)
         for first in range(0, width, span):
             columns = slice(first, first + span)

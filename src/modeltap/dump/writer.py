@@ -369,12 +369,12 @@ class DumpWriter:
         """Another forward follows (a decoding step): the small tensors given so far are done
         now, in one batch, and the writer thread, if it has nothing left to do, goes.
 
-        An idle thread left behind cost decoding dearly while the statistics ran torch's parallel
-        reductions: its OpenMP team made more OpenMP threads than cores, and the model's own
-        threads stopped spinning between the small matmuls of each step (GPT-2, 64 new tokens:
-        1.75x of a bare generate with the thread kept, 1.29x without). The statistics are numpy
-        now, but a thread with nothing queued serves no purpose between passes. A busy thread is
-        left to finish its work during the next pass.
+        A thread that ever ran a torch parallel op keeps an OpenMP team beside the model's: more
+        OpenMP threads than cores, and the model's own threads stop spinning between the small
+        matmuls of each step (GPT-2, 64 new tokens: 1.75x of a bare generate when that thread was
+        kept, 1.29x without). The statistics are numpy now, but a float8 tensor still widens
+        through torch; an idle thread goes, and a busy one is left to finish during the next
+        pass.
         """
         try:
             with self._lock:
@@ -571,8 +571,8 @@ class _Pipeline:
         self.error: BaseException | None = None
         self.cond = threading.Condition()
         # No torch thread count to carry over: CPU statistics are numpy on one core (the same
-        # bits in any thread), and this thread runs no parallel torch op, so it starts no
-        # OpenMP team beside the model's.
+        # bits in any thread, a strided tensor laid out by numpy too), so this thread starts no
+        # OpenMP team beside the model's (a float8 tensor, which numpy lacks, is the exception).
         self.thread = threading.Thread(target=self._run, name="modeltap-writer", daemon=True)
         self.thread.start()
 
@@ -604,8 +604,8 @@ class _Pipeline:
         if size:
             assert self.buffer is not None
             flat = self.buffer[offset : offset + size].view(x.dtype)
-            # The copy keeps the tensor's strides: torch's sums add up in an order that follows
-            # the memory layout, and the statistics must not depend on where they were taken.
+            # The copy keeps the tensor's strides, so that copy_ is a plain memcpy; the
+            # statistics read its rows in logical order whatever the layout.
             copy = flat.view(x.shape) if cuda else flat.as_strided(x.shape, x.stride())
             copy.copy_(x, non_blocking=cuda)
         if record is not None:
