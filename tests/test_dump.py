@@ -447,7 +447,8 @@ def test_timeline_has_one_ordered_record_per_tensor(tmp_path, monkeypatch):
                 start, stop, _ = r[what]
                 assert r["hook"] <= start <= stop <= end["end"], (what, r)
         assert "stats" in r and "write" in r, r
-    assert r["bytes"] == 64 * 300 * 4
+    sizes = {r["key"]: r["bytes"] for r in records}
+    assert sizes == {"small": 60, "small2": 28, "threaded": 4 * 64 * 16 * 4, "inline": 64 * 300 * 4}
     figures = timeline.summary(lines)
     assert figures["tensors"] == 4
     assert set(figures["busy"]) == {"main", "writer", "deferred"}
@@ -471,7 +472,6 @@ def test_no_timeline_when_off(tmp_path, monkeypatch):
     monkeypatch.delenv("MODELTAP_TIMELINE", raising=False)
     writer = _timeline_dump(tmp_path / "d.safetensors", monkeypatch)
     assert writer._timeline is None
-    assert [p.name for p in tmp_path.iterdir()] == ["d.safetensors"]
 
 
 def test_next_pass_does_the_small_tensors_and_lets_an_idle_thread_go(tmp_path, monkeypatch):

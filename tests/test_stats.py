@@ -31,17 +31,6 @@ def test_moments_match_float64_reference(dtype):
     assert s.nan == 0 and s.inf == 0
 
 
-def test_chunked_path_equals_whole(monkeypatch):
-    torch.manual_seed(1)
-    x = torch.randn(64, 33).to(torch.bfloat16)
-    whole = tensor_stats(x)
-    monkeypatch.setattr(stats_module, "BLOCK", 100)  # many blocks of 3 rows
-    chunked = tensor_stats(x)
-    for name in ("norm", "mean", "std", "min", "max"):
-        assert getattr(chunked, name) == pytest.approx(getattr(whole, name), rel=1e-7)
-    assert chunked.dead == whole.dead
-
-
 def test_nan_and_inf_are_counted_and_left_out_of_moments():
     x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     x[0, 1] = math.nan

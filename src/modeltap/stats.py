@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-# Elements converted to a wider dtype (and reduced) at a time.
+# Elements converted to a wider dtype (and reduced) at a time on a device (CPU: BLOCK).
 CHUNK_ELEMENTS = 1 << 22
 
 # Histogram bin edges: signed, log-spaced magnitudes, two bins a decade from 1e-6 to 1e4, so that
@@ -103,7 +103,10 @@ class _Moments:
         self.n = total
 
 
+@functools.cache
 def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32 (cached: naming a dtype costs more than the rest of a small
+    tensor's bookkeeping)."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -404,8 +407,8 @@ def _cpu_stats(
     block while it is in the core's cache: its sum, its square sum about the mean (`_block_pass`),
     its min, the per-unit max, zeros and histogram counts. Blocks combine in float64 (Chan et
     al.), which is as accurate as one two-pass over the whole tensor or better; the last bits
-    depend on the block size, not on anything else (see `BLOCK`). 16-bit floats are widened a
-    block at a time into a reused buffer.
+    depend on the block size and on nothing else (not the layout, nor the thread). Narrower
+    dtypes are widened a block at a time into a reused buffer (`_blocks`).
     """
     import numpy as np
 
@@ -443,13 +446,11 @@ def _cpu_stats(
         alive = None
         if units is not None:
             alive = values.max(axis=0)
+            if passed is not None:
+                hi = max(hi, float(alive.max()))  # the per-unit maxima give the max as well
             if keep is not None:
                 kept_rows = values[keep[rows]]
-                if passed is not None:
-                    hi = max(hi, float(alive.max()))
                 alive = kept_rows.max(axis=0) if kept_rows.shape[0] else None
-            elif passed is not None:
-                hi = max(hi, float(alive.max()))  # the per-unit maxima give the max as well
             if alive is not None:
                 if unit_max is None:
                     unit_max = np.full(units, -np.inf, dtype=alive.dtype)

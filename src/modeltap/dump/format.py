@@ -67,7 +67,7 @@ METADATA_KEYS = {
     # Written by modeltap generate (kind 'generation'; keys gen/step{k}/...):
     "generate": "JSON: prompt, prompt_ids, decoder_prompt_ids (an encoder-decoder), new_ids, "
     "text, steps (token, p, runner-up), stop, forwards, unstored_forwards, full_steps, plan, kv, "
-    "decoding, generation_config",
+    "forced, decoding, generation_config",
 }
 
 _DTYPES = {

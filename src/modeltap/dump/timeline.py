@@ -10,7 +10,7 @@ workers of `final` tensors). A pipeline tensor that waited for room in the write
 given so far done) and when the file was in place. Lines are appended, so one run of several
 dumps (a recorded training run) keeps them all; each line names its dump.
 
-Off (the variable unset), a writer holds `None` and pays one `is None` check per tensor.
+Off (the variable unset), a writer holds `None` and pays a few `is None` checks per tensor.
 `summary` turns the lines of one dump into the figures `scripts/timeline.py` prints.
 """
 

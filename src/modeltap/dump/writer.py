@@ -9,7 +9,6 @@ If the final header does not fit the reservation, the data is moved once behind 
 from __future__ import annotations
 
 import collections
-import functools
 import json
 import os
 import re
@@ -51,13 +50,6 @@ _THREAD_MIN_BYTES = 1 << 20
 _FINAL_WORKERS = 2
 # Small tensors' bytes are gathered up to this much before one write.
 _STAGE_BYTES = 1 << 20
-
-@functools.cache
-def _dtype_code(dtype: torch.dtype) -> tuple[str, str | None]:
-    """(a dtype's name, its safetensors code or None): naming a dtype costs more than the rest of
-    a small tensor's bookkeeping."""
-    name = dtype_name(dtype)
-    return name, _DTYPES.get(name)
 
 
 def write_target(path: Path) -> Path:
@@ -239,9 +231,11 @@ class DumpWriter:
         worker threads.
         """
         x = tensor.detach() if tensor.requires_grad else tensor
+        nbytes = x.numel() * x.element_size()  # not x.nbytes: sparse tensors have none
         timeline = self._timeline
-        record = None if timeline is None else timeline.tensor(key, x.numel() * x.element_size())
-        dtype, code = _dtype_code(x.dtype)
+        record = None if timeline is None else timeline.tensor(key, nbytes)
+        dtype = dtype_name(x.dtype)
+        code = _DTYPES.get(dtype)
         if self.stats_only:
             code = None
         elif code is None:
@@ -264,7 +258,6 @@ class DumpWriter:
                 )
             return
         with self._lock:
-            nbytes = x.numel() * x.element_size()  # not nbytes: sparse tensors have none
             size = 0 if code is None else nbytes
             position = 8 + self._reserve + self._offset
             if code is not None:
