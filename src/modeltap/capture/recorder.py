@@ -34,6 +34,8 @@ class Recorder:
     aliases: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     skipped_none: int = 0
+    # While set, hooks' values are dropped unnamed (a forward generate runs outside its loop).
+    paused: bool = False
     # Keys whose tensor changed in place between its hook and `drain` (deferred hooks only).
     changed: set[str] = field(default_factory=set)
     _pending: list[tuple[str, Any, bool, Any]] = field(default_factory=list)
@@ -46,6 +48,8 @@ class Recorder:
         nothing else. `drain` names them after the forward."""
         import torch
 
+        if self.paused:
+            return
         if type(value) is torch.Tensor and not is_input:
             self._pending.append((module, value, is_input, value._version))
             return
@@ -87,23 +91,11 @@ class Recorder:
         self._calls.clear()
         self._seen.clear()
 
-    def mark(self) -> tuple[Any, ...]:
-        """The naming state now, for `rewind` after a forward whose events the sink drops."""
-        return (
-            dict(self._calls), dict(self._seen), dict(self.skipped), self.skipped_none,
-            len(self.order), dict(self.aliases),
-        )  # fmt: skip
-
-    def rewind(self, mark: tuple[Any, ...]) -> None:
-        """Name what follows as if nothing had been recorded since `mark`."""
-        calls, seen, skipped, skipped_none, order, aliases = mark
-        self._calls, self._seen, self.skipped = calls, seen, skipped
-        self.skipped_none, self.aliases = skipped_none, aliases
-        del self.order[order:]
-
     def record(self, module: str, value: Any, *, is_input: bool = False) -> None:
         import torch
 
+        if self.paused:
+            return
         if not is_input and isinstance(value, torch.Tensor):  # the common case, kept cheap
             call = self._calls.get((module, is_input), 0)
             self._calls[(module, is_input)] = call + 1

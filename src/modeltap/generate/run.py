@@ -42,8 +42,6 @@ class _StepSink:
         self.order: list[str] = []
         self.full_steps: list[int] = []
         self.devices: dict[str, str] = {}
-        # while a forward outside the decoding loop runs (Whisper's language detection)
-        self.paused = False
         self._held: list[tuple[str, Any]] | None = None
         self._prefix = step_key(0, "")
 
@@ -76,8 +74,6 @@ class _StepSink:
             self.writer.tensor(key, tensor)
 
     def tensor(self, key: str, tensor: torch.Tensor) -> None:
-        if self.paused:
-            return
         key = self._prefix + key  # step_key(self.step, key)
         self.order.append(key)
         self.devices[key] = device_name(tensor.device)
@@ -87,8 +83,6 @@ class _StepSink:
             self.writer.tensor(key, tensor)
 
     def alias(self, key: str, target: str) -> None:
-        if self.paused:
-            return
         key = step_key(self.step, key)
         self.order.append(key)
         self.writer.alias(key, step_key(self.step, target))
@@ -294,8 +288,8 @@ class _Loop:
     choices: _Choices = field(default_factory=_Choices)
     prepared: bool = False
     chose: bool = False
-    # the recorder's naming state while a forward outside the loop runs
-    outside: Any = None
+    # a forward outside the loop is running (the recorder paused)
+    outside: bool = False
     unstored: int = 0
     # decoder positions after step 0 (the prompt, or an encoder-decoder's decoder prompt)
     prompt_end: int | None = None
@@ -345,9 +339,8 @@ def _steps(
 
     def before(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if not loop.prepared:
-            loop.outside = recorder.mark()
+            loop.outside = recorder.paused = True
             loop.unstored += 1
-            sink.paused = True
             return
         loop.prepared = False
         end = _decoder_end(args, kwargs)
@@ -370,10 +363,8 @@ def _steps(
         sink.begin(step)
 
     def after(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        if loop.outside is not None:
-            recorder.rewind(loop.outside)
-            loop.outside = None
-            sink.paused = False
+        if loop.outside:
+            loop.outside = recorder.paused = False
             return
         loop.choices.logits(output)
         if not kv:
