@@ -449,7 +449,7 @@ def in_process_table(args, results: list[Result]) -> None:
         print(
             f"| {workload}, peak RSS, dump vs plain forward (fresh processes) "
             f"| {rss['forward'] / 1e6:.0f} MB | {rss['dump'] / 1e6:.0f} MB | {ratio:.2f} "
-            f"| <= 1.1: {'met' if ratio <= 1.1 else 'MISSED'} | {os.getloadavg()[0]:.2f} | | |",
+            f"| <= 1.1: {'met' if ratio <= 1.1 else 'MISSED'} | {os.getloadavg()[0]:.2f} | | | |",
             flush=True,
         )
 
@@ -471,9 +471,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--startup", action="store_true", help="only the start-up figures")
-    parser.add_argument("--fresh", action="store_true", help="only the fresh-process figures")
-    parser.add_argument("--in-process", action="store_true", help="only the one-process figures")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--startup", action="store_true", help="only the start-up figures")
+    only.add_argument("--fresh", action="store_true", help="only the fresh-process figures")
+    only.add_argument("--in-process", action="store_true", help="only the one-process figures")
     parser.add_argument(
         "--case", action="append", choices=sorted(FRESH), help="only this fresh figure (repeatable)"
     )
@@ -488,6 +489,14 @@ def main() -> None:
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--harness-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    in_process_only = [f"--{k}" for k in ("workload", "figure") if getattr(args, k)]
+    if args.case and (in_process_only or args.in_process or args.startup):
+        other = in_process_only or ["--in-process or --startup"]
+        parser.error(f"--case picks fresh-process figures; drop {other[0]}")
+    if (args.fresh or args.startup) and in_process_only:
+        parser.error(f"{in_process_only[0]} picks one-process figures; drop it or use --in-process")
+    if args.device == "cuda" and (args.case or args.startup or args.in_process or in_process_only):
+        parser.error("--device cuda runs its own fresh-process figures; drop the other choices")
     if args.harness_child:
         child_main(CASES, args.harness_child)
         return
@@ -519,7 +528,8 @@ def main() -> None:
         save_runs(args.runs_json, results)
     if args.workload or args.figure or args.fresh or args.case or args.in_process:
         return
-    print()
+    print("\nStart-up, median of fresh processes:\n")
+    print("| figure | command | | seconds | | target |\n|---|---|---|---|---|---|")
     for name, seconds in startup(3 if args.quick else 5).items():
         target = {
             "show (MiniLM dump)": 0.5,

@@ -1,15 +1,20 @@
 """Throughput of the statistics alone against this machine's memcpy, per block size.
 
-    .venv/bin/python scripts/bench_stats_block.py [--reps 5] [--blocks 15,16,17,18,19]
+    .venv/bin/python scripts/bench_stats_block.py [--reps 5] [--blocks 15,16,17,18,19] [--hist]
+    .venv/bin/python scripts/bench_stats_block.py --final  # final_stats on two workers
     .venv/bin/python scripts/bench_stats_block.py --batch  # where batch_stats should stop batching
 
 The tensors are shaped like bert-base's outputs on 8 x 128 (per layer ten [8,128,768] and two
-[8,128,3072], twelve layers: 144 tensors, 680 MB of float32, seed 0), in float32 and in bfloat16.
+[8,128,3072], twelve layers: 144 tensors, 679 MB of float32, seed 0), in float32 and in bfloat16.
 It times, in this process with one torch thread (median of --reps): a memcpy of each tensor into
 a buffer allocated beforehand (numpy `copyto`, the machine's single-core copy speed), and
 `tensor_stats` of each tensor (what a dump's writer thread does) for each block of 2^k elements
 (`modeltap.stats.BLOCK`), with --hist too. GB/s are bytes of the tensor read per second; a memcpy
 also writes as many. The statistics' numbers differ between block sizes only in float32 rounding.
+
+With --final it times instead `final_stats` of the float32 tensors on two workers at once (what
+`dump --compile --stats-only` does with a finished graph's tensors), for each block of 2^k elements
+(`modeltap.stats.FINAL_BLOCK`).
 
 With --batch it times instead, per tensor size, `batch_stats` of 100 tensors taken together (the
 batched path) against each alone (the per-tensor path): `modeltap.stats.BATCH_ELEMENTS` is where
@@ -30,6 +35,7 @@ def main() -> None:
     parser.add_argument("--blocks", default="15,16,17,18,19", help="exponents k of 2^k elements")
     parser.add_argument("--hist", action="store_true", help="also time statistics with --hist")
     parser.add_argument("--batch", action="store_true", help="the batched path's crossover")
+    parser.add_argument("--final", action="store_true", help="final_stats on two workers")
     args = parser.parse_args()
 
     import numpy as np
@@ -66,6 +72,9 @@ def main() -> None:
     copy = gigabytes / median_seconds(memcpy)
     print(f"{len(tensors)} tensors, {gigabytes * 1e3:.0f} MB float32, one torch thread")
     print(f"memcpy (numpy copyto into a buffer): {copy:.2f} GB/s")
+    if args.final:
+        final_blocks(stats, tensors, gigabytes, args.blocks, median_seconds)
+        return
     print(f"{'block':>8} {'dtype':>9} {'stats GB/s':>11} {'of memcpy':>10} {'+hist GB/s':>11}")
     setting = stats.BLOCK
     try:
@@ -94,6 +103,21 @@ def main() -> None:
                 )
     finally:
         stats.BLOCK = setting
+
+
+def final_blocks(stats, tensors, gigabytes: float, blocks: str, median_seconds) -> None:  # noqa: ANN001
+    from concurrent.futures import ThreadPoolExecutor
+
+    setting = stats.FINAL_BLOCK
+    print(f"{'block':>8} {'final_stats GB/s, two workers':>30}")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for k in (int(k) for k in blocks.split(",")):
+                stats.FINAL_BLOCK = 1 << k
+                seconds = median_seconds(lambda: list(pool.map(stats.final_stats, tensors)))
+                print(f"{'2^' + str(k):>8} {gigabytes / seconds:>30.2f}")
+    finally:
+        stats.FINAL_BLOCK = setting
 
 
 def batch_crossover(stats, reps: int) -> None:  # noqa: ANN001 - the module

@@ -677,8 +677,8 @@ def _rows_to_keep(x: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tenso
 
 # Elements of a block for `final_stats`, whose tensors are read by two workers at once after a
 # compiled forward: each numpy call holds the GIL a moment, and the fewer the calls the better the
-# two overlap (scripts/bench_stats_block.py's tensors on two workers: 2^17 3.2-4.0 GB/s, 2^19
-# 4.9-5.1), though one worker alone is fastest with blocks that stay in its core's cache.
+# two overlap (`scripts/bench_stats_block.py --final`: 2^17 3.2-4.2 GB/s, 2^19 4.9-5.1), though
+# one worker alone is fastest with blocks that stay in its core's cache.
 FINAL_BLOCK = 1 << 19
 
 
