@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_perf  # noqa: E402
 from harness import (  # noqa: E402
+    FRESH,
     HEADER,
     IN_PROCESS,
     ISSUE,
@@ -47,7 +48,6 @@ from harness import (  # noqa: E402
     save_runs,
 )
 
-FRESH = Method()
 # glibc malloc: allocations from 64 KiB up mmapped, and unmapped when freed, whatever came before
 # (else the threshold rises with the sizes freed, and freed memory is reused, already mapped).
 MMAP = (("MALLOC_MMAP_THRESHOLD_", "65536"),)
@@ -96,14 +96,14 @@ def file_factors(mb: int, rounds: int) -> None:
     """The file factor alone: `mb` MB written three ways (FILE_MODES) over a file of the same
     size that is on disk (written and synced), os.sync() before each, modes in turn; the time
     from open to close (and rename), median of `rounds`."""
-    chunk = os.urandom(8 << 20)
+    chunk = os.urandom(1_000_000)
     times: dict[str, list[tuple[float, float]]] = {mode: [] for mode in FILE_MODES}
     with tempfile.TemporaryDirectory(dir=os.environ.get("MODELTAP_BENCH_DIR")) as tmp:
         path, temp = Path(tmp) / "out.bin", Path(tmp) / ".out.bin.tmp"
 
         def write(target: Path) -> None:
             with open(target, "wb") as f:
-                for _ in range(mb // 8):
+                for _ in range(mb):
                     f.write(chunk)
 
         for i in range(rounds):
@@ -130,7 +130,7 @@ def file_factors(mb: int, rounds: int) -> None:
         print(f"| {label} | {wall:.2f} | {cpu:.2f} |")
 
 
-# Left out unless asked for (--variant), to keep a full run under 45 minutes.
+# Left out unless asked for (--variant): each adds a sixteenth to a full run's time.
 OPTIONAL = ("issue-warm", "fresh-sync")
 
 
@@ -171,7 +171,7 @@ def main() -> None:
                     bench_perf.__file__,
                     args.case,
                     method,
-                    1 if method.fresh else 2,  # in one process: a pair each way round
+                    1 if method.fresh else 2,  # in one process: two pairs a pass
                     progress=True,
                     folder=folders[name],
                     # the first pair of a variant that overwrites finds the files it overwrites

@@ -1,12 +1,12 @@
 """Issues #12 and #22: modeltap against what a user writes by hand with bare hooks, two ways.
 
-    PYTHONPATH=src .venv/bin/python scripts/bench_perf.py             # both tables, start-up
-    PYTHONPATH=src .venv/bin/python scripts/bench_perf.py --quick     # fewer repetitions
-    PYTHONPATH=src .venv/bin/python scripts/bench_perf.py --fresh     # fresh processes only
-    PYTHONPATH=src .venv/bin/python scripts/bench_perf.py --in-process
-    PYTHONPATH=src .venv/bin/python scripts/bench_perf.py --case bert-base/dump --pairs 5
-    PYTHONPATH=src .venv/bin/python scripts/bench_perf.py --startup   # only the start-up
-    PYTHONPATH=src .venv/bin/python scripts/bench_perf.py --device cuda  # 1B bf16 on a GPU
+    .venv/bin/python scripts/bench_perf.py             # both tables, start-up
+    .venv/bin/python scripts/bench_perf.py --quick     # fewer repetitions
+    .venv/bin/python scripts/bench_perf.py --fresh     # fresh processes only
+    .venv/bin/python scripts/bench_perf.py --in-process
+    .venv/bin/python scripts/bench_perf.py --case bert-base/dump --pairs 5
+    .venv/bin/python scripts/bench_perf.py --startup   # only the start-up
+    .venv/bin/python scripts/bench_perf.py --device cuda  # 1B bf16 on a GPU
 
 The baseline is written here, independent of modeltap's code: `register_forward_hook` on every
 module keeping `out.detach()` of each tensor it returns; for a dump, `safetensors.torch.save_file`
@@ -43,8 +43,10 @@ bench_generate.py's GPT-2-sized model, 64 new tokens. 2 intra-op threads. Two me
 Each figure is the median of the pairs' ratios (each modeltap run against its pair's bare run),
 which the machine's drift over seconds does not move; [the range of the pairs' ratios] and (the
 ratio of the two medians) follow, then the medians, the 1-minute load average over the runs,
-CPU seconds and minor page faults of a run. scripts/bench_fresh_factors.py takes the dump figure
-by both methods and by issue #22's own harness, toggling one difference at a time.
+CPU seconds, minor page faults and involuntary context switches of a run. Outputs go under
+$MODELTAP_BENCH_DIR (default $TMPDIR): the bert-base runs write 614 MB a run.
+scripts/bench_fresh_factors.py takes the dump figure by both methods and by issue #22's own
+harness, toggling one difference at a time.
 """
 
 from __future__ import annotations
@@ -64,11 +66,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The same models, batch and peak-RSS measurement as scripts/bench.py.
 from bench import MINILM, bert_base, minilm, print_peak_rss, reset_peak_rss  # noqa: E402
 from harness import (  # noqa: E402
+    FRESH,
     HEADER,
     IN_PROCESS,
     THREADS,
     Case,
-    Method,
     Result,
     child_main,
     measure,
@@ -347,7 +349,7 @@ CASES: dict[str, Case] = {
     **{f"llama-1b/{figure}": _cuda_case(figure) for figure in ("dump", "stats", "bare-dump")},
 }
 # The fresh-process figures of issue #22, with pairs (default, --quick).
-FRESH = {
+FRESH_CASES = {
     "bert-base/dump": (5, 2),
     "minilm/dump": (11, 3),
     "bert-base/grads": (5, 2),
@@ -429,8 +431,7 @@ def startup(reps=5) -> dict[str, float]:
 def in_process_table(args, results: list[Result]) -> None:
     print(f"\nIn one process, sides alternating ({IN_PROCESS.describe()}):\n")
     print(HEADER)
-    for workload in WORKLOADS:
-        short = "minilm" if workload.startswith("MiniLM") else "bert-base"
+    for short, workload in SHORT.items():
         if args.workload and args.workload != short:
             continue
         small = short == "minilm"
@@ -444,7 +445,7 @@ def in_process_table(args, results: list[Result]) -> None:
             print(row(case.label, result, case.unit, case.target), flush=True)
         if args.figure and args.figure != "rss":
             continue
-        rss = {side: int(child("rss", workload, side)) for side in ("forward", "dump")}
+        rss = {side: int(child(workload, side)) for side in ("forward", "dump")}
         ratio = rss["dump"] / rss["forward"]
         print(
             f"| {workload}, peak RSS, dump vs plain forward (fresh processes) "
@@ -455,12 +456,12 @@ def in_process_table(args, results: list[Result]) -> None:
 
 
 def fresh_table(cases: dict[str, tuple[int, int]], args, results: list[Result]) -> None:
-    print(f"\nEach run in a fresh process ({Method().describe()}):\n")
+    print(f"\nEach run in a fresh process ({FRESH.describe()}):\n")
     print(HEADER)
     for name, (pairs, quick) in cases.items():
         case = CASES[name]
         result = measure(
-            __file__, name, Method(), args.pairs or (quick if args.quick else pairs), progress=True
+            __file__, name, FRESH, args.pairs or (quick if args.quick else pairs), progress=True
         )
         results.append(result)
         print(row(case.label, result, case.unit, case.target), flush=True)
@@ -476,10 +477,10 @@ def main() -> None:
     only.add_argument("--fresh", action="store_true", help="only the fresh-process figures")
     only.add_argument("--in-process", action="store_true", help="only the one-process figures")
     parser.add_argument(
-        "--case", action="append", choices=sorted(FRESH), help="only this fresh figure (repeatable)"
+        "--case", action="append", choices=sorted(FRESH_CASES), help="only this fresh figure"
     )
     parser.add_argument("--pairs", type=int, help="pairs of fresh processes per figure")
-    parser.add_argument("--workload", choices=["minilm", "bert-base"], help="only this workload")
+    parser.add_argument("--workload", choices=list(SHORT), help="only this workload")
     parser.add_argument("--figure", choices=[*FIGURES, "rss"], help="only this figure")
     parser.add_argument("--reps", type=int, help="rounds per figure (default 300 MiniLM, 7 bert)")
     parser.add_argument(
@@ -501,7 +502,7 @@ def main() -> None:
         child_main(CASES, args.harness_child)
         return
     if args.child:
-        rss_child(*args.child[1:])
+        rss_child(*args.child)
         return
 
     results: list[Result] = []
@@ -523,7 +524,7 @@ def main() -> None:
         if not fresh_only:
             in_process_table(args, results)
         if not (args.in_process or args.workload or args.figure):
-            cases = {k: v for k, v in FRESH.items() if not args.case or k in args.case}
+            cases = {k: v for k, v in FRESH_CASES.items() if not args.case or k in args.case}
             fresh_table(cases, args, results)
         save_runs(args.runs_json, results)
     if args.workload or args.figure or args.fresh or args.case or args.in_process:

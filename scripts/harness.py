@@ -2,7 +2,7 @@
 
 One function, `measure(script, case, method, pairs)`, takes any figure any of these ways:
 
-  fresh (`Method()`, what bench_perf.py --fresh reports): every timed run is one call in its
+  fresh (`FRESH`, what bench_perf.py --fresh reports): every timed run is one call in its
       own new process, which is what a user pays for one `modeltap dump` (or one recorded
       step, or one generation). In that process the workload is built and the modules the call
       needs are imported (both untimed); then the previous run's output is removed and
@@ -14,20 +14,21 @@ One function, `measure(script, case, method, pairs)`, takes any figure any of th
   issue #22's own (`ISSUE`): the same, but each process calls its side once to warm up and then
       times 5 runs, alternating with the other side's process; a pair's ratio is that of the two
       processes' medians.
-  in-process (scripts/bench_perf.py before issue #22, `IN_PROCESS`): one process builds the
-      workload, calls each side once to warm up, then alternates bare, modeltap, bare, ...; each
-      output is overwritten in place (the same path every run) and `os.sync()` is called before
-      each timed call.
+  in-process (`IN_PROCESS`, bench_perf.py --in-process, its only method before issue #22): one
+      process builds the workload, calls each side once to warm up, then alternates bare,
+      modeltap, bare, ...; each output is overwritten in place (the same path every run) and
+      `os.sync()` is called before each timed call.
 
 The figure is the median of the pairs' ratios (modeltap / the bare run of the same pair): this
 2-core machine's speed drifts by 10-30% over seconds, which a ratio of two medians takes in. Each
 run also records CPU seconds (user, system), page faults, context switches and the 1-minute load
 average when it started, so that a difference between methods can be traced to its cause. The
 involuntary context switches of a run say best how much other processes took from it: the load
-average is a minute's mean, while on a busy 2-core machine a bert-base dump's ratio goes from
-about 1.3 in pairs whose bare run was not preempted (~25 switches) to 0.6 in pairs where it was
-(~500-1500): the bare forward's two threads fill both cores, and lose most when one is taken,
-while modeltap's own writer thread already makes three (~800 switches even when quiet).
+average is a minute's mean, while on a busy 2-core machine a bert-base dump's ratio went (before
+the statistics moved to numpy) from about 1.3 in pairs whose bare run was not preempted (~25
+switches) to 0.6 in pairs where it was (~500-1500): the bare forward's two threads fill both
+cores, and lose most when one is taken, while modeltap's own writer thread already makes three
+(~800 switches even when quiet).
 
 `Method`'s fields toggle the two methods' differences one at a time (bench_fresh_factors.py).
 `script` defines `CASES: dict[str, Case]` and hands its `--harness-child` argument to
@@ -104,6 +105,8 @@ class Method:
 
 
 IN_PROCESS = Method(fresh=False, warm="call", remove=False, sync=True, alternate=False)
+# What a user pays: each timed run one call in a new process (bench_perf.py --fresh).
+FRESH = Method()
 # Issue #22's harness as it describes itself: each side in a process of its own, a warm-up call
 # and 5 timed runs, output removed and os.sync() first, pairs of processes alternating.
 ISSUE = Method(warm="call", runs=5)

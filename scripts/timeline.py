@@ -54,20 +54,21 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--stats-only", action="store_true")
     parser.add_argument("--model", choices=["bert-base", "minilm"], default="bert-base")
-    parser.add_argument("--max-inflight", type=int, default=32, help="MiB (default 32)")
+    parser.add_argument("--max-inflight", type=int, help="MiB (default: the writer's own)")
     parser.add_argument("--log", type=Path, help="keep the JSON-lines log here")
     args = parser.parse_args()
 
     import torch
 
-    from modeltap.dump import timeline
+    from modeltap.dump import DEFAULT_MAX_INFLIGHT, timeline
     from modeltap.loading import Inputs
     from modeltap.run import dump_model
 
     model, batch = bert_base() if args.model == "bert-base" else minilm()
     model.requires_grad_(False)
     inputs = Inputs((), batch, {"bench": True})
-    options = {"stats_only": args.stats_only, "max_inflight": args.max_inflight << 20}
+    inflight = DEFAULT_MAX_INFLIGHT if args.max_inflight is None else args.max_inflight << 20
+    options = {"stats_only": args.stats_only, "max_inflight": inflight}
     with tempfile.TemporaryDirectory() as tmp:
         log = args.log or Path(tmp) / "timeline.jsonl"
         log.unlink(missing_ok=True)

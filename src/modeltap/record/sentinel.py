@@ -20,8 +20,9 @@ What this checks less than the full tripwire (`record(..., eager_tripwire=True)`
 - a non-finite activation that the code after it masks out;
 - a non-finite parameter gradient that is made from finite activations and output gradients
   (an overflow of the weight gradient's own sum);
-- a backward re-run whose loss the model doesn't return: its large outputs' gradients are not
-  kept, so the trip names the first source module whose gradient was non-finite.
+- the producer of a backward whose loss the model doesn't return: its large outputs' gradients
+  are not kept, so the backward is not run again, and the trip (`Trip.unreproduced`) names only
+  the first source module whose output gradient was non-finite.
 
 "dump" and the flight recorder write what that re-run holds: it draws what the step drew.
 A run that can't be made again the same way (non-deterministic kernels, inputs changed in place
