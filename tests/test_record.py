@@ -670,3 +670,29 @@ def test_a_masked_nan_trips_only_the_eager_tripwire(tmp_path: Path) -> None:
     with pytest.raises(NonFiniteError) as caught:
         run("eager", eager_tripwire=True)
     assert (caught.value.trip.step, caught.value.trip.module) == (2, "masked")
+
+
+def test_a_loop_that_never_calls_the_models_forward_keeps_the_full_check(tmp_path: Path) -> None:
+    """A LightningModule whose training_step calls `self.net(x)`: the recorded model's own
+    forward never runs, so there is no forward to run again; the full check stays on every step
+    and names the module that made the NaN."""
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Tiny()
+
+    torch.manual_seed(0)
+    model = Wrapper()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught:
+        with modeltap.record(model, tmp_path / "run", every=100) as rec:
+            for step in range(5):
+                model.net.fc2.on = step == 3
+                model.net(batch(step)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                rec.step()
+    trip = caught.value.trip
+    assert (trip.step, trip.module, trip.unreproduced) == (3, "net.fc2", None)
+    assert rec._sentinel is None

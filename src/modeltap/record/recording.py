@@ -291,6 +291,7 @@ class Recording:
         self._snapshot: dict[str, torch.Tensor] = {}
         self._updates: dict[str, float] = {}
         self._trained = False  # a training forward ran in this step
+        self._root_ran = False  # the model's own forward ran for training in this step
         self._optimizer_stepped = False
         self._step_skipped = False
         self._grad_scale: float | None = None
@@ -566,10 +567,12 @@ class Recording:
         return hook
 
     def _before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self._lazy and module.training and _grad_enabled():
-            from modeltap.record.flight import rng_states
+        if module.training and _grad_enabled():
+            self._root_ran = True
+            if self._lazy:
+                from modeltap.record.flight import rng_states
 
-            self._sentinel.begin(args, kwargs, rng_states(module))  # type: ignore[union-attr]
+                self._sentinel.begin(args, kwargs, rng_states(module))  # type: ignore[union-attr]
         watch = self._watch
         if watch is not None and watch.calls and watch.forward_checked and not watch.grad_flags:
             # A forward whose tensors were kept for a backward that never came (no_grad, eval).
@@ -650,8 +653,11 @@ class Recording:
         found = watch.find_forward()
         if found is None:
             if self._sentinel is not None and self._sentinel.sources is None and watch.calls:
-                # what the sentinel watches on the steps that are not recorded
-                self._sentinel.sources = {s.name for s in watch.shapes if not s.in_slots}
+                if self._root_ran:  # what the sentinel watches on the steps not recorded
+                    self._sentinel.sources = {s.name for s in watch.shapes if not s.in_slots}
+                else:  # the loop calls submodules (Lightning's training_step calling
+                    # self.net): no forward of the model to run again, so the full check stays
+                    self._sentinel = None
             self._rng = {}
             if not self.on_nonfinite.startswith("dump"):
                 watch.let_go()
@@ -662,6 +668,8 @@ class Recording:
         watch = self._watch
         if watch is None:
             return
+        if not watch.forward_checked:  # a loop that never calls the model's own forward
+            self._check_forward()  # (its root hook checks it): its forward came first
         try:
             found = watch.find_backward()
             if found is not None and self.scaler is not None and _scaler_enabled(self.scaler):
