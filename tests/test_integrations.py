@@ -629,3 +629,51 @@ def test_trainer_trip_at_an_unrecorded_step_names_the_module(tmp_path: Path, eag
     assert (trip.step, trip.phase) == (3, "forward")
     assert (trip.module, trip.key) == ("bert.encoder.layer.1.attention.output.dense",) * 2
     assert trip.unreproduced is None and trip.stats["nan"] == 1
+
+
+def test_lightning_trip_when_training_step_calls_a_submodule(tmp_path: Path) -> None:
+    """Lightning, the LightningModule's training_step calling `self.net(x)` (its own forward never
+    runs): a NaN made by net.1 at global step 3 (not recorded) raises out of fit() naming it."""
+    if os.environ.get("CI"):
+        import lightning.pytorch as pl
+    else:
+        pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
+
+    from modeltap.integrations.lightning import ModeltapCallback
+    from modeltap.record import NonFiniteError
+
+    class Poisoned(nn.Module):
+        on = False
+
+        def forward(self, x):
+            y = x * 1.0
+            if self.on:
+                y[0, 0] = float("nan")
+            return y
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(4, 8), Poisoned(), nn.ReLU(), nn.Linear(8, 1))
+
+        def training_step(self, batch, i):
+            self.net[1].on = self.trainer.global_step + 1 == 3
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(1)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(32, 4)), batch_size=4
+    )
+    trainer = pl.Trainer(
+        max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ModeltapCallback(tmp_path / "run", every=100)],
+    )  # fmt: skip
+    with pytest.raises(NonFiniteError) as caught:
+        trainer.fit(Module(), loader)
+    trip = caught.value.trip
+    assert (trip.step, trip.phase, trip.module) == (3, "forward", "net.1")
