@@ -364,3 +364,59 @@ def test_a_strided_tensor_has_the_statistics_of_its_contiguous_copy(dtype) -> No
     assert (got.min, got.max, got.dead) == (ref["min"], ref["max"], ref["dead"])
     assert got.mean == pytest.approx(ref["mean"], rel=1e-7)
     assert got.hist == reference_hist(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize(
+    # rows a multiple of GRAPH_ROWS, with a remainder, fewer than it, one dim, none
+    "shape",
+    [(4, 64, 48), (3, 37, 20), (5, 9), (1_000,), ()],
+    ids=str,
+)
+@pytest.mark.parametrize("offset", [300.0, 0.5], ids=["far-mean", "near-zero-mean"])
+def test_graph_stats_match_an_independent_float64_reference(dtype, shape, offset):
+    """`graph_stats` (what a compiled stats-only dump computes in its graph) of finite tensors:
+    every field equals float64 numpy's within the same tolerance as `tensor_stats`, run eagerly
+    and compiled by inductor; a NaN or an Inf makes `stats_from_graph` refuse."""
+    from modeltap.stats import graph_stats, rows_kept, stats_from_graph
+
+    gen = torch.Generator().manual_seed(sum(shape) + int(offset))
+    x = torch.randn(shape, generator=gen) * 4.0 + offset
+    # a unit per column with its own offset: the first row, not the mean, is each one's pivot
+    x = x + torch.linspace(-50, 50, shape[-1]) if shape else x
+    if len(shape) >= 2:
+        x[..., 1] = -2.0  # a dead unit
+    mask = None
+    if len(shape) >= 3:
+        mask = torch.ones(shape[:2], dtype=torch.bool)
+        mask[-1, 2:] = False
+        x[-1, 2:, 3] = 1e3  # unit 3 is alive only where the mask leaves rows out
+        x[:-1, :, 3] = -1.0
+        x[-1, :2, 3] = -1.0
+    x = (x.round() if dtype == torch.int64 else x).to(dtype)
+    ref = _numpy_reference(x, mask, 0.0)
+    compiled = torch.compile(graph_stats, backend="inductor", dynamic=False)
+    for run in (graph_stats, compiled):
+        got = stats_from_graph(run(x, rows_kept(x, mask)).tolist(), list(x.shape), x.dtype)
+        assert (got.nan, got.inf, got.numel) == (0, 0, x.numel())
+        assert (got.min, got.max) == (ref["min"], ref["max"])
+        assert got.mean == pytest.approx(ref["mean"], rel=1e-7, abs=1e-7 * ref["std"])
+        if x.numel() > 1:
+            assert got.std == pytest.approx(ref["std"], rel=2e-7)
+        assert got.norm == pytest.approx(ref["norm"], rel=2e-7)
+        if len(shape) >= 2:
+            assert (got.units, got.dead) == (shape[-1], ref["dead"])
+        else:
+            assert got.units is None
+    if dtype.is_floating_point and x.numel():
+        for bad in (math.nan, math.inf, -math.inf):
+            y = x.clone()
+            y.view(-1)[x.numel() // 2] = bad
+            assert stats_from_graph(graph_stats(y).tolist(), list(y.shape), y.dtype) is None
+
+
+def test_graph_stats_of_an_empty_tensor_are_tensor_stats():
+    from modeltap.stats import graph_stats, stats_from_graph
+
+    x = torch.empty(2, 0, 3)
+    assert stats_from_graph(graph_stats(x).tolist(), [2, 0, 3], x.dtype) == tensor_stats(x)
