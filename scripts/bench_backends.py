@@ -5,17 +5,20 @@
     .venv/bin/python scripts/bench_backends.py --layers 2 --reps 3   # a quick check of the script
 
 Figures and targets, on a bert-base-sized BertModel (BertConfig(), seed 0), batch 8 x 128:
-  compiled capture (the `dump --compile --stats-only` forward: hooked compiled forward, naming,
-  statistics) / compiled forward without hooks, both after warm-up        <= 1.1, graphs = 1
+  compiled stats-only dump (what `dump --compile --stats-only` times: the compiled forward
+  with statistics computed in the graph, naming, the header written) / compiled forward without
+  hooks, both after warm-up                                               <= 1.1, graphs = 1
+  after_forward_ratio: the same dump the way it was taken before (every logged tensor a graph
+  output, statistics read from them after the forward), still the path of a dump with --hist
+  or tensor data, and of a stats-only dump the graph can't take (capture/compile_stats.py).
   export-backend capture (.pt2 through the Interpreter, in memory) / eager capture (in memory)
                                                                           <= 1.2
   cold compile time of each compiled model (first call), reported apart from run time.
-  hooked_forward_ratio: the hooked compiled forward alone (no naming, no statistics) / plain.
-  copying_writer_ratio: the same dump with the writer copying each tensor first (as for an eager
-  dump, whose tensors the model may still change) / plain.
+  hooked_forward_ratio: that path's hooked compiled forward alone (no naming, no statistics).
   *_by_round: each ratio taken round by round (against the plain run just before), the median.
-Two model instances with the same weights are compiled (one hooked, one not) with dynamo's hook
-guards on, so neither reuses the other's code; the runs alternate and medians are reported.
+Three model instances with the same weights are compiled (hooked both ways, and plain) with
+dynamo's hook guards on, so none reuses another's code; the runs alternate and medians are
+reported.
 """
 
 from __future__ import annotations
@@ -81,15 +84,20 @@ def timed(f: Callable[[], object]) -> float:
 def compile_figures(model, batch, reps: int, backend: str, folder: Path) -> dict[str, float]:
     import torch
 
-    from modeltap.capture.compile import CompiledCapture, record_log, record_run
-    from modeltap.capture.recorder import Recorder
+    from modeltap.capture.compile import CompiledCapture, record_run
+    from modeltap.capture.compile_stats import StatsCapture, hand_over, learn_layout
     from modeltap.dump import DumpWriter
     from modeltap.selection import Selection, select_modules
 
     torch._dynamo.config.skip_nnmodule_hook_guards = False
-    plain_model = copy.deepcopy(model)
+    plain_model, after_model = copy.deepcopy(model), copy.deepcopy(model)
     names = select_modules(model, Selection())
-    with CompiledCapture(model, names, backend=backend) as cap:
+    mask = batch["attention_mask"].bool()
+    eager, layout = learn_layout(model, names, (), batch, inputs=False, train_mode=False, seed=0)
+    with (
+        StatsCapture(model, names, backend=backend) as cap,
+        CompiledCapture(after_model, names, backend=backend) as after,
+    ):
         plain = torch.compile(plain_model, backend=backend)
         cold_hooked = timed(lambda: cap.run((), batch))
         with torch.no_grad():
@@ -99,25 +107,23 @@ def compile_figures(model, batch, reps: int, backend: str, folder: Path) -> dict
             with torch.no_grad():
                 plain(**batch)
 
-        def dump_stats_only() -> None:
+        def dump_stats_only() -> None:  # as `dump --compile --stats-only` does after compiling
             cap.run((), batch)
-            with DumpWriter(folder / "c.safetensors", stats_only=True) as writer:
-                recorder = record_run(cap, writer)  # as `dump --compile --stats-only` does
-                writer.finish({"order": json.dumps(recorder.order)})
+            with DumpWriter(folder / "c.safetensors", stats_only=True, row_mask=mask) as writer:
+                hand_over(cap.log, eager, layout, writer)
+                writer.finish({"order": json.dumps(eager.order)})
 
-        def dump_copying() -> None:
-            # the writer as an eager dump uses it: each tensor copied for the writer thread
-            cap.run((), batch)
-            with DumpWriter(folder / "c.safetensors", stats_only=True) as writer:
-                recorder = Recorder(writer)
-                record_log(recorder, cap.log, copied=cap.copy_outputs)
+        def dump_after_forward() -> None:
+            after.run((), batch)
+            with DumpWriter(folder / "c.safetensors", stats_only=True, row_mask=mask) as writer:
+                recorder = record_run(after, writer)
                 writer.finish({"order": json.dumps(recorder.order)})
 
         def hooked_only() -> None:
-            cap.run((), batch)
+            after.run((), batch)
 
-        times = interleaved([bare, dump_stats_only, hooked_only, dump_copying], reps)
-        t_bare, t_dump, t_hooked, t_copying = (statistics.median(t) for t in times)
+        times = interleaved([bare, dump_stats_only, dump_after_forward, hooked_only], reps)
+        t_bare, t_dump, t_after, t_hooked = (statistics.median(t) for t in times)
         # the same ratios round by round (each against the plain run just before it), medians:
         # less sensitive to a machine whose load changes between rounds
         by_round = [
@@ -125,18 +131,16 @@ def compile_figures(model, batch, reps: int, backend: str, folder: Path) -> dict
             for i in (1, 2, 3)
         ]
         graphs = len(cap.graphs)
-        inplace = cap.has_inplace()
     return {
         "compiled_forward_s": t_bare,
         "compiled_dump_stats_only_s": t_dump,
         "compile_ratio": t_dump / t_bare,
+        "after_forward_ratio": t_after / t_bare,
         "hooked_forward_ratio": t_hooked / t_bare,
-        "copying_writer_ratio": t_copying / t_bare,
         "compile_ratio_by_round": by_round[0],
-        "hooked_forward_ratio_by_round": by_round[1],
-        "copying_writer_ratio_by_round": by_round[2],
+        "after_forward_ratio_by_round": by_round[1],
+        "hooked_forward_ratio_by_round": by_round[2],
         "graphs": graphs,
-        "graph_mutates_logged_values": float(inplace),
         "cold_first_call_hooked_s": cold_hooked,
         "cold_first_call_plain_s": cold_plain,
     }

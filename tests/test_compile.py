@@ -179,7 +179,8 @@ def test_compiled_stats_only_dump_equals_torch_statistics_of_the_compiled_values
     assert not mask.all()
     aliases = json.loads(meta["aliases"])
     assert set(stats) | set(aliases) == set(values) and len(values) == 46
-    assert json.loads(meta["backend_details"])["graphs"] == 1
+    details = json.loads(meta["backend_details"])
+    assert (details["graphs"], details["statistics"]) == (1, "in the graph")
     for key, got in stats.items():
         x = values[key].double()
         assert got["numel"] == x.numel() and got["shape"] == list(x.shape)
@@ -293,5 +294,126 @@ def test_structured_output_changed_after_a_break_stats_only() -> None:
         x64 = value.double()
         torch.testing.assert_close(stats[key]["min"], x64.min().item(), **tol, msg=key)
         torch.testing.assert_close(stats[key]["max"], x64.max().item(), **tol, msg=key)
+    # computed in the graphs where the module returned, before the changes: nothing to copy
     details = json.loads(meta["backend_details"])
-    assert details["changed_after_return"] == ["pair", "pair.fc"]
+    assert details["statistics"] == "in the graph"
+    assert (details["graph_breaks"], details["changed_after_return"]) == (1, [])
+
+
+class _Twice(torch.nn.Module):
+    """`fc` runs twice; `out` may make a NaN (`nan=True`) from a negative value's square root."""
+
+    def __init__(self, nan: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(6, 6)
+        self.act = torch.nn.GELU()
+        self.out = torch.nn.Linear(6, 3)
+        self.nan = nan
+        self.twice = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc(x))
+        if self.twice:
+            h = self.fc(h)
+        y = self.out(h)
+        return y.sqrt() if self.nan else y
+
+
+def _library_dump(model, x, out: Path, **options) -> dict[str, str]:
+    from modeltap.capture.compile import CompileBackend
+    from modeltap.loading.inputs import Inputs
+    from modeltap.run import dump_model
+
+    inputs = Inputs((x,), {}, {"kind": "tensor"})
+    backend = CompileBackend("aot_eager")
+    dump_model(model, inputs, out, stats_only=True, backend=backend, **options)
+    with safe_open(str(out), "pt") as f:
+        return f.metadata()
+
+
+def _outputs(model, x) -> dict[str, list[torch.Tensor]]:
+    """Independent reference: each module's outputs as plain hooks see them, in call order."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    handles = [
+        m.register_forward_hook(
+            lambda mod, a, out, n=n or "__root__": seen.setdefault(n, []).append(out.clone())
+        )
+        for n, m in model.named_modules()
+    ]
+    with torch.no_grad():
+        model(x)
+    for handle in handles:
+        handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("case", ["nan", "twice"])
+def test_compiled_stats_only_falls_back_to_the_tensors_and_says_why(tmp_path: Path, case) -> None:
+    """A NaN (counts need the tensor) or a module run twice (repeated calls are matched by value)
+    takes the statistics after the forward, exactly as before, and the dump says why."""
+    model = _Twice(nan=case == "nan")
+    model.twice = case == "twice"
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    meta = _library_dump(model, x, tmp_path / "d.safetensors")
+    details = json.loads(meta["backend_details"])
+    reason = "'__root__' holds a NaN or Inf" if case == "nan" else "'fc' runs more than once"
+    assert details["statistics"] == f"after the forward: {reason}"
+    stats = json.loads(meta["stats"])
+    stats.update({k: stats[t] for k, t in json.loads(meta["aliases"]).items()})
+    for name, values in _outputs(model, x).items():
+        for call, value in enumerate(values):
+            got = stats[name if call == 0 else f"{name}@{call}"]
+            assert got["nan"] == int(value.isnan().sum())
+            finite = value[value.isfinite()].double()
+            torch.testing.assert_close(got["mean"], finite.mean().item(), rtol=1e-6, atol=1e-7)
+    if case == "nan":
+        assert stats["__root__"]["nan"] > 0
+
+
+def test_compiled_stats_only_with_histograms_reads_the_finished_tensors_in_place(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """With --hist the statistics need the tensors: they are read where the finished graph left
+    them (`final`, by the statistics workers), not copied first as an eager dump's are; through
+    `dump_model`'s own sink too (it once sent them down the copying path)."""
+    monkeypatch.setenv("MODELTAP_TIMELINE", str(tmp_path / "t.jsonl"))
+    model = _Twice()
+    x = torch.randn(400, 6, generator=torch.Generator().manual_seed(1))
+    meta = _library_dump(model, x, tmp_path / "d.safetensors", hist=True)
+    assert "statistics" not in json.loads(meta["backend_details"])
+    records = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    threads = {r["key"]: r["stats"][2] for r in records if "key" in r}
+    assert set(threads) == {"fc", "act", "out"}  # the root returns out's tensor: an alias
+    assert set(threads.values()) == {"final"}
+    assert all(s["hist"] for s in json.loads(meta["stats"]).values())
+
+
+def test_compiled_stats_only_dump_has_the_eager_dumps_keys_order_and_aliases(
+    bert_dir: Path,
+) -> None:
+    """Statistics computed in the inductor graph: the eager stats-only dump's keys, order, aliases
+    and dead units, moments within the compile preset (the compiled values differ from eager's)."""
+    texts = ["hello world", "a second, longer sentence about the model"]  # padded: a row mask
+    _dump([str(bert_dir), *texts, "--stats-only", "-o", "eager.safetensors"])
+    _dump([str(bert_dir), *texts, "--compile", "--stats-only", "-o", "compiled.safetensors"])
+    with safe_open("eager.safetensors", "pt") as f:
+        eager = f.metadata()
+    with safe_open("compiled.safetensors", "pt") as f:
+        compiled = f.metadata()
+    details = json.loads(compiled["backend_details"])
+    assert (details["graphs"], details["statistics"]) == (1, "in the graph")
+    for field in ("order", "aliases", "skipped", "devices"):
+        assert json.loads(compiled[field]) == json.loads(eager[field]), field
+    want, got = json.loads(eager["stats"]), json.loads(compiled["stats"])
+    assert list(got) == list(want) and len(want) == 26
+    tol = tolerance_preset("compile")
+    for key, w in want.items():
+        g = got[key]
+        assert {
+            k: g[k] for k in ("shape", "dtype", "numel", "nan", "inf", "units", "dead") if k in w
+        } == {
+            k: w[k] for k in ("shape", "dtype", "numel", "nan", "inf", "units", "dead") if k in w
+        }, key
+        for field in ("mean", "std", "norm", "min", "max"):
+            torch.testing.assert_close(g[field], w[field], **tol, msg=f"{key} {field}")

@@ -305,6 +305,10 @@ class _DeviceLog:
         self.devices[key] = device_name(tensor.device)
         self.writer.tensor(key, tensor, **kwargs)
 
+    def computed(self, key: str, stats: Any, device: Any) -> None:
+        self.devices[key] = device_name(device)
+        self.writer.computed(key, stats)
+
     def alias(self, key: str, target: str) -> None:
         self.writer.alias(key, target)
 

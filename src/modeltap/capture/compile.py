@@ -82,6 +82,8 @@ class CompileInfo:
     first_call_s: float = 0.0
     run_s: float = 0.0
     unmapped: list[str] = field(default_factory=list)
+    # stats-only dumps: "in the graph", or why they were taken after the forward
+    statistics: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -93,6 +95,7 @@ class CompileInfo:
             "changed_after_return": self.changed_after_return,
             "first_call_s": round(self.first_call_s, 3),
             "run_s": round(self.run_s, 4),
+            **({"statistics": self.statistics} if self.statistics else {}),
         }
 
 
@@ -329,18 +332,19 @@ class CompiledCapture:
 
 
 class _Finished:
-    """A sink in front of another, for tensors logged by a finished forward: a DumpWriter takes
-    them as `final` (read where they are, not copied first)."""
+    """A sink in front of another, for tensors logged by a finished forward: a DumpWriter (or
+    `run.dump_model`'s sink in front of one, which passes the option on) takes them as `final`
+    (read where they are, not copied first)."""
 
     def __init__(self, sink: Sink) -> None:
         from modeltap.dump import DumpWriter
 
         self.sink = sink
-        self.writer = sink if isinstance(sink, DumpWriter) else None
+        self.final = isinstance(getattr(sink, "writer", sink), DumpWriter)
 
     def tensor(self, key: str, tensor: Any) -> None:
-        if self.writer is not None:
-            self.writer.tensor(key, tensor, final=True)
+        if self.final:
+            self.sink.tensor(key, tensor, final=True)  # type: ignore[call-arg]
         else:
             self.sink.tensor(key, tensor)
 
@@ -500,8 +504,6 @@ def compiled_run(
     what the second run logged into `sink`. In-place ops in a graph make it compile again with
     copying hooks on every module; a logged value changed after a graph break, with copying
     hooks on the modules that returned it."""
-    import torch
-
     info = CompileInfo(backend, fullgraph)
     copy: frozenset[str] = frozenset()
     changed: set[str] = set()
@@ -516,12 +518,7 @@ def compiled_run(
             copy=copy,
             watch=True,
         ) as cap:
-            with torch.random.fork_rng(devices=[]):
-                if seed is not None:
-                    torch.manual_seed(seed)
-                start = time.perf_counter()
-                cap.run(args, kwargs)
-                info.first_call_s += time.perf_counter() - start
+            info.first_call_s += seeded_run(cap, args, kwargs, seed)[1]
             changed |= cap.changed()
             wanted = copy | changed
             if cap.has_inplace():
@@ -532,12 +529,7 @@ def compiled_run(
             # The timed run takes the first run's path; with graph breaks it is watched again
             # (a cheap check), without any the stamps' cost is spared.
             cap.watch = len(cap.graphs) > 1
-            with torch.random.fork_rng(devices=[]):
-                if seed is not None:
-                    torch.manual_seed(seed)
-                start = time.perf_counter()
-                output = cap.run(args, kwargs)
-                info.run_s = time.perf_counter() - start
+            output, info.run_s = seeded_run(cap, args, kwargs, seed)
             later = cap.changed() if cap.watch else set()
             if later:  # another path than the first run's: compile again, copying those too
                 changed |= later
@@ -553,6 +545,20 @@ def compiled_run(
     # after the compiled capture's hooks came off: this runs the eager model
     renumber_like_eager(cap, model, args, kwargs, train_mode=train_mode, seed=seed)
     return record_run(cap, sink), info, output
+
+
+def seeded_run(
+    cap: CompiledCapture, args: tuple[Any, ...], kwargs: dict[str, Any], seed: int | None
+) -> tuple[Any, float]:
+    """`cap.run` from `seed` (the caller's RNG state left alone): its output and seconds."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        start = time.perf_counter()
+        output = cap.run(args, kwargs)
+        return output, time.perf_counter() - start
 
 
 def renumber_like_eager(
@@ -646,18 +652,31 @@ class CompileBackend:
         train_mode: bool,
         seed: int | None,
     ) -> BackendRun:
-        recorder, info, output = compiled_run(
-            model,
-            modules,
-            sink,
-            args,
-            kwargs,
-            backend=self.backend,
-            fullgraph=self.fullgraph,
-            inputs=inputs,
-            train_mode=train_mode,
-            seed=seed,
-        )
+        options = {
+            "backend": self.backend,
+            "fullgraph": self.fullgraph,
+            "inputs": inputs,
+            "train_mode": train_mode,
+            "seed": seed,
+        }
+        graph_options = getattr(sink, "graph_stats_options", None)
+        in_graph = graph_options() if graph_options is not None else None
+        reason = ""
+        if in_graph is not None:  # a stats-only dump: the statistics can come from the graph
+            from modeltap.capture.compile_stats import NotInGraph, graph_stats_run
+
+            try:
+                recorder, info, output = graph_stats_run(
+                    model, modules, sink, args, kwargs, **in_graph, **options
+                )
+            except NotInGraph as exc:
+                reason = str(exc)
+            else:
+                info.statistics = "in the graph"
+                return BackendRun(recorder, info.as_dict(), info.unmapped, output)
+        recorder, info, output = compiled_run(model, modules, sink, args, kwargs, **options)
+        if reason:
+            info.statistics = f"after the forward: {reason}"
         return BackendRun(recorder, info.as_dict(), info.unmapped, output)
 
 

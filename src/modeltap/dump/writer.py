@@ -192,6 +192,20 @@ class DumpWriter:
         self._timeline = Timeline.from_env(self.path)
         self._staged_records: list[dict[str, Any]] = []
 
+    def graph_stats_options(self) -> dict[str, Any] | None:
+        """What a compiled graph needs to compute this dump's statistics itself
+        (`stats.graph_stats`, then `computed`), or None when they need the tensors (data to
+        write, or histograms)."""
+        if not self.stats_only or self.hist:
+            return None
+        return {"row_mask": self._stats_mask, "dead_threshold": self.dead_threshold}
+
+    def computed(self, key: str, stats: TensorStats, device: Any = None) -> None:
+        """Statistics of a tensor computed elsewhere (a stats-only dump: in the compiled graph)."""
+        with self._lock:
+            self._stats_order.append(key)
+            self.stats[key] = stats
+
     def _options(self, count_zeros: bool) -> dict[str, Any]:
         return {
             "dead_threshold": self.dead_threshold,
