@@ -373,3 +373,35 @@ def test_models_without_a_position_limit_dump_from_the_cli(family, tmp_path):
     want, _ = plain_hook_values(model, kwargs)
     for key, value in want.items():
         torch.testing.assert_close(stored[key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "t5", "xlnet", "reformer", "llama"])
+def test_compiled_stats_only_dump_equals_the_eager_one(family, tmp_path):
+    """`dump --compile --stats-only` takes the statistics inside the graph: the eager stats-only
+    dump's keys, order, aliases and skipped values, statistics within the compile preset. Gemma3
+    runs `rotary_emb` twice with different values, in another order compiled (its calls are
+    matched by their statistics: numbered as compiled, the two swap); T5 reuses its dropouts,
+    XLNet returns mems, Reformer breaks into graphs."""
+    from modeltap.capture.compile import CompileBackend
+    from modeltap.config import tolerance_preset
+
+    model, kwargs = BUILDERS[family]()
+    inputs = add_decoder_inputs(model, Inputs((), kwargs, {}))
+    metas = []
+    for name, backend in (("eager", None), ("compiled", CompileBackend("aot_eager"))):
+        path = dump_model(model, inputs, tmp_path / name, stats_only=True, backend=backend)
+        with safe_open(str(path), "pt") as f:
+            metas.append(f.metadata())
+    eager, compiled = metas
+    assert json.loads(compiled["backend_details"])["statistics"] == "in the graph"
+    for field in ("order", "aliases", "skipped"):
+        assert json.loads(compiled[field]) == json.loads(eager[field]), field
+    want, got = json.loads(eager["stats"]), json.loads(compiled["stats"])
+    assert list(got) == list(want)
+    exact = ("shape", "dtype", "numel", "nan", "inf", "units", "dead")
+    tol = tolerance_preset("compile")
+    for key, w in want.items():
+        assert {f: got[key].get(f) for f in exact} == {f: w.get(f) for f in exact}, key
+        for field in ("mean", "std", "norm", "min", "max"):
+            if field in w:
+                torch.testing.assert_close(got[key][field], w[field], **tol, msg=(key, field))

@@ -569,11 +569,14 @@ def renumber_like_eager(
     *,
     train_mode: bool,
     seed: int | None,
+    stats: bool = False,
 ) -> list[str]:
     """Give each repeated call in `cap.log` the number it has in the eager forward, where the
     compiled run made the calls in another order (see capture/order.py); returns the modules
-    renumbered."""
+    renumbered. `stats`: the log holds `graph_stats` vectors (a `StatsCapture`'s), matched with
+    the eager calls' by mean, min and max, which are on the values' own scale."""
     from modeltap.capture.order import eager_calls, matching, tensor_leaves
+    from modeltap.stats import graph_stats
 
     outputs: dict[str, list[int]] = {}
     inputs: dict[str, list[int]] = {}
@@ -588,7 +591,11 @@ def renumber_like_eager(
         at = outputs[name]
         # with copying hooks, a value is (what the module returned, its copy as it returned)
         got = [tensor_leaves(cap.log[i][1][1] if cap.copy_outputs else cap.log[i][1]) for i in at]
-        numbers = matching(got, eager[name])
+        want = eager[name]
+        if stats:
+            got = [[_extremes(v) for v in leaves] for leaves in got]
+            want = [[_extremes(graph_stats(t)) for t in leaves] for leaves in want]
+        numbers = matching(got, want)
         if numbers is None or numbers == sorted(numbers):
             continue
         for entries in (at, inputs.get(name, [])):
@@ -598,6 +605,11 @@ def renumber_like_eager(
                     cap.log[entries[number]] = entry
         renumbered.append(name)
     return renumbered
+
+
+def _extremes(vector: Any) -> Any:
+    """Mean, min and max of a `graph_stats` vector (an empty tensor's is empty)."""
+    return vector[[0, 2, 3]] if vector.numel() else vector
 
 
 def compile_capture(

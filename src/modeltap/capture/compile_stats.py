@@ -14,11 +14,14 @@ child's very tensor, as eager names it) and the skipped values, so the keys, ord
 are the eager dump's. The compiled run is named by the same `Recorder` and must produce exactly
 the eager run's keys in the eager order.
 
+A module that runs more than once may run its calls in another order compiled (capture/order.py):
+its calls are matched with the eager ones by their statistics' mean, min and max, as the copying
+path matches them by value.
+
 `graph_stats_run` says why it can't (and the caller takes the copying path) when: a tensor has a
-dtype or layout the graph statistics don't take (complex, float8, sparse), a module runs more
-than once (a compiled run may order repeated calls differently; capture/order.py matches them by
-value, which needs the tensors), the compiled run's keys differ from eager's, or a tensor held a
-NaN or Inf (its counts and masked moments need the tensor itself).
+dtype or layout the graph statistics don't take (complex, float8, sparse), the compiled run's
+keys differ from eager's, or a tensor held a NaN or Inf (its counts and masked moments need the
+tensor itself).
 """
 
 from __future__ import annotations
@@ -27,7 +30,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from modeltap.capture.compile import CompiledCapture, CompileInfo, record_log, seeded_run
+from modeltap.capture.compile import (
+    CompiledCapture,
+    CompileInfo,
+    record_log,
+    renumber_like_eager,
+    seeded_run,
+)
 from modeltap.capture.recorder import Recorder
 
 if TYPE_CHECKING:
@@ -139,9 +148,6 @@ def learn_layout(
             run_model(model, args, kwargs)
     if layout.unfit is not None:
         raise NotInGraph(layout.unfit)
-    repeated = sorted({m for (m, _), calls in eager._calls.items() if calls > 1})
-    if repeated:
-        raise NotInGraph(f"'{repeated[0]}' runs more than once")
     return eager, layout
 
 
@@ -220,5 +226,7 @@ def graph_stats_run(
         info.graph_breaks = max(0, info.graphs - 1)
         fired = {name for name, _, _ in cap.log}
         info.unmapped = [m for m in modules if m not in fired]
-        hand_over(cap.log, eager, layout, sink)
+    # after the compiled capture's hooks came off: this runs the eager model
+    renumber_like_eager(cap, model, args, kwargs, train_mode=train_mode, seed=seed, stats=True)
+    hand_over(cap.log, eager, layout, sink)
     return eager, info, output
