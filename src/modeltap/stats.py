@@ -802,34 +802,64 @@ def graph_stats(
     if rows.dtype != torch.float64:
         narrow = rows.dtype in (torch.float16, torch.bfloat16, torch.float32)
         rows = rows.to(torch.float32 if narrow else torch.float64)
+    alive = None  # what decides dead units, where rows are left out
+    if keep is not None and x.dim() >= 2:
+        source = native if native.is_floating_point() else rows  # -inf needs a float
+        alive = source.masked_fill(~keep[:, None], -math.inf)
     n = rows.shape[0]
     pivot = rows[:1]
-    deviation = rows - pivot
     full = n - n % GRAPH_ROWS
-    sums: list[torch.Tensor] = []
-    squares: list[torch.Tensor] = []
+    parts = []
     if full:
-        blocks = deviation[:full].reshape(full // GRAPH_ROWS, GRAPH_ROWS, units)
-        sums.append(blocks.sum(1).to(torch.float64).sum(0))
-        squares.append((blocks * blocks).sum(1).to(torch.float64).sum(0))
+        # every reduction over the same GRAPH_ROWS rows: inductor makes them one kernel, one read
+        parts.append(_unit_reductions(rows, pivot, native, alive, 0, full, GRAPH_ROWS))
     if full < n:
-        rest = deviation[full:].to(torch.float64)
-        sums.append(rest.sum(0))
-        squares.append((rest * rest).sum(0))
-    s1 = sums[0] if len(sums) == 1 else sums[0] + sums[1]
-    s2 = squares[0] if len(squares) == 1 else squares[0] + squares[1]
+        parts.append(_unit_reductions(rows, pivot, native, alive, full, n, None))
+    s1, s2, lo, hi, unit_max = parts[0]
+    if len(parts) == 2:
+        r1, r2, rlo, rhi, rmax = parts[1]
+        s1, s2 = s1 + r1, s2 + r2
+        lo, hi = torch.minimum(lo, rlo), torch.maximum(hi, rhi)
+        unit_max = torch.maximum(unit_max, rmax)
     unit_shift = s1 / n
     unit_mean = pivot[0].to(torch.float64) + unit_shift
     mean = unit_mean.mean()
     m2 = (s2 - s1 * unit_shift).sum() + n * (unit_mean - mean).square().sum()
-    unit_max = native.amax(0)
-    numbers = [mean, m2, native.amin(0).amin().to(torch.float64), unit_max.amax().to(torch.float64)]
+    numbers = [mean, m2, lo.amin().to(torch.float64), hi.amax().to(torch.float64)]
     if x.dim() >= 2:
-        if keep is not None:
-            values = native if native.is_floating_point() else rows  # -inf needs a float
-            unit_max = values.masked_fill(~keep[:, None], -math.inf).amax(0)
         numbers.append((unit_max <= dead_threshold).sum().to(torch.float64))
     return torch.stack(numbers)
+
+
+def _unit_reductions(
+    rows: torch.Tensor,
+    pivot: torch.Tensor,
+    native: torch.Tensor,
+    alive: torch.Tensor | None,
+    start: int,
+    stop: int,
+    group: int | None,
+) -> tuple[torch.Tensor, ...]:
+    """Per unit, over rows start:stop: float64 sum and square sum of the deviations from `pivot`,
+    min, max, and the max of `alive` (or of the values), each summed `group` rows at a time in
+    the rows' dtype first (None: all in float64)."""
+    import torch
+
+    width = native.shape[1]
+    deviation = rows[start:stop] - pivot
+    values = native[start:stop]
+    live = values if alive is None else alive[start:stop]
+    if group is None:
+        deviation = deviation.to(torch.float64)
+        s1, s2 = deviation.sum(0), (deviation * deviation).sum(0)
+        return s1, s2, values.amin(0), values.amax(0), live.amax(0)
+    shape = ((stop - start) // group, group, width)
+    deviation, values = deviation.reshape(shape), values.reshape(shape)
+    s1 = deviation.sum(1).to(torch.float64).sum(0)
+    s2 = (deviation * deviation).sum(1).to(torch.float64).sum(0)
+    hi = values.amax(1).amax(0)
+    unit_max = hi if alive is None else live.reshape(shape).amax(1).amax(0)
+    return s1, s2, values.amin(1).amin(0), hi, unit_max
 
 
 def stats_from_graph(

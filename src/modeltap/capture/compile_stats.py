@@ -26,6 +26,7 @@ tensor itself).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -57,10 +58,13 @@ class StatsCapture(CompiledCapture):
 
     row_mask: Any = None
     dead_threshold: float = 0.0
+    # modules whose every output tensor is an alias of an earlier key (eager's dropouts in eval
+    # mode, wrappers that return their child's tensor): their hooks compute nothing
+    aliased: frozenset[str] = frozenset()
 
     def _output_hook(self, name: str, copy: bool) -> Callable[..., None]:
         log = self.log
-        stats = self._stats
+        stats = self._placeholders if name in self.aliased else self._stats
 
         def stats_hook(module: nn.Module, args: Any, output: Any) -> None:
             log.append((name, stats(output), False))
@@ -88,6 +92,16 @@ class StatsCapture(CompiledCapture):
             return graph_stats(t.detach(), rows_kept(t, mask), threshold)
 
         return _pytree.tree_map_only(torch.Tensor, one, value)
+
+    def _placeholders(self, value: Any) -> Any:
+        """The structure of `value`, an empty tensor for each tensor (named, never read)."""
+        import torch
+        from torch.utils import _pytree
+
+        def empty(t: torch.Tensor) -> torch.Tensor:
+            return t.new_empty(0, dtype=torch.float64)
+
+        return _pytree.tree_map_only(torch.Tensor, empty, value)
 
 
 @dataclass
@@ -151,6 +165,18 @@ def learn_layout(
     return eager, layout
 
 
+def aliased_modules(eager: Recorder) -> frozenset[str]:
+    """The modules each of whose output keys is an alias in `eager`'s run."""
+    from modeltap.capture.keys import INPUT_PART, split_key
+
+    outputs: dict[str, list[str]] = {}
+    for key in eager.order:
+        module, _, part = split_key(key)
+        if part != INPUT_PART and not part.startswith(INPUT_PART + "."):
+            outputs.setdefault(module, []).append(key)
+    return frozenset(m for m, keys in outputs.items() if all(k in eager.aliases for k in keys))
+
+
 def hand_over(
     log: list[tuple[str, Any, bool]], eager: Recorder, layout: _Layout, sink: Any
 ) -> None:
@@ -167,12 +193,18 @@ def hand_over(
         raise NotInGraph("the compiled run's outputs differ from the eager run's")
     vectors = named.sink.vectors  # type: ignore[attr-defined]
     keys = [key for key in eager.order if key not in eager.aliases]
+    # An empty tensor's vector is empty, like a placeholder's: the compiled recorder may have
+    # named it an alias of one. Any other key without its vector is a mismatch.
+    empty = torch.zeros(0, dtype=torch.float64)
+    if any(key not in vectors and math.prod(layout.tensors[key][0]) for key in keys):
+        raise NotInGraph("the compiled run's outputs differ from the eager run's")
+    found = [vectors.get(key, empty) for key in keys]
     # one transfer for all of them (from a GPU: one sync, not one per tensor)
-    numbers = torch.cat([vectors[key].reshape(-1).to(torch.float64) for key in keys]).tolist()
+    numbers = torch.cat([v.reshape(-1).to(torch.float64).cpu() for v in found]).tolist()
     computed: dict[str, TensorStats] = {}
     at = 0
-    for key in keys:
-        width = vectors[key].numel()
+    for key, vector in zip(keys, found, strict=True):
+        width = vector.numel()
         shape, dtype, _ = layout.tensors[key]
         stats = stats_from_graph(numbers[at : at + width], shape, dtype)
         at += width
@@ -219,6 +251,7 @@ def graph_stats_run(
         train_mode=train_mode,
         row_mask=row_mask,
         dead_threshold=dead_threshold,
+        aliased=aliased_modules(eager),
     ) as cap:
         info.first_call_s = seeded_run(cap, args, kwargs, seed)[1]
         output, info.run_s = seeded_run(cap, args, kwargs, seed)

@@ -201,7 +201,12 @@ class DumpWriter:
         return {"row_mask": self._stats_mask, "dead_threshold": self.dead_threshold}
 
     def computed(self, key: str, stats: TensorStats, device: Any = None) -> None:
-        """Statistics of a tensor computed elsewhere (a stats-only dump: in the compiled graph)."""
+        """Statistics of a tensor computed elsewhere (a stats-only dump: in the compiled graph,
+        during the forward; its timeline line has no spans)."""
+        if self._timeline is not None:
+            import torch
+
+            self._timeline.tensor(key, stats.numel * getattr(torch, stats.dtype).itemsize)
         with self._lock:
             self._stats_order.append(key)
             self.stats[key] = stats
