@@ -85,7 +85,12 @@ def compile_figures(model, batch, reps: int, backend: str, folder: Path) -> dict
     import torch
 
     from modeltap.capture.compile import CompiledCapture, record_run
-    from modeltap.capture.compile_stats import StatsCapture, hand_over, learn_layout
+    from modeltap.capture.compile_stats import (
+        StatsCapture,
+        aliased_modules,
+        hand_over,
+        learn_layout,
+    )
     from modeltap.dump import DumpWriter
     from modeltap.selection import Selection, select_modules
 
@@ -95,7 +100,7 @@ def compile_figures(model, batch, reps: int, backend: str, folder: Path) -> dict
     mask = batch["attention_mask"].bool()
     eager, layout = learn_layout(model, names, (), batch, inputs=False, train_mode=False, seed=0)
     with (
-        StatsCapture(model, names, backend=backend) as cap,
+        StatsCapture(model, names, backend=backend, aliased=aliased_modules(eager)) as cap,
         CompiledCapture(after_model, names, backend=backend) as after,
     ):
         plain = torch.compile(plain_model, backend=backend)

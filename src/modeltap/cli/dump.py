@@ -379,6 +379,7 @@ def _print_backend(err: Any, meta: dict[str, str]) -> None:
         err.print(
             f"torch.compile ({details['compile_backend']}): {details['graphs']} graph(s), "
             f"first call (compile) {details['first_call_s']:.1f} s, run {details['run_s']:.3f} s"
+            + (f", statistics {details['statistics']}" if "statistics" in details else "")
         )
     elif meta.get("backend") == "compile":
         err.print(f"torch.compile: {details.get('graphs')} graph(s) with gradient hooks")
