@@ -574,6 +574,20 @@ def _sum(flat: Any) -> float:
     return total + float(flat[whole:].sum()) if whole < flat.size else total
 
 
+def _square_sum(flat: Any) -> float:
+    """`_sum` of the squares of `flat`, the same bits, without writing the squares out: einsum
+    multiplies and adds each column's values in turn, as `_sum` adds them (a 2^17-element block
+    in cache: 25 GB/s on this machine, against 15 for squares written to a buffer and summed)."""
+    import numpy as np
+
+    whole = flat.size - flat.size % _SUM_ROWS
+    if whole < _SUM_ROWS * 16:  # einsum loops otherwise (a single column: over its rows)
+        return _sum(np.square(flat))
+    columns = flat[:whole].reshape(_SUM_ROWS, -1)
+    total = float(np.einsum("ij,ij->j", columns, columns).sum())
+    return total + float(np.square(flat[whole:]).sum()) if whole < flat.size else total
+
+
 def _block_pass(block: Any) -> tuple[float, float, float] | None:
     """(mean, centred square sum, min) of a finite block, each read while it is in cache;
     None if it holds NaN/Inf or its sums overflow the dtype. numpy only, on one core.
@@ -584,17 +598,17 @@ def _block_pass(block: Any) -> tuple[float, float, float] | None:
     import numpy as np
 
     count = block.size
-    mean = _sum(block.reshape(-1)) / count
+    flat = block.reshape(-1)
+    mean = _sum(flat) / count
     if not math.isfinite(mean):
         return None
-    squares = _buffer("squares", block.dtype, count)[:count]
-    into = squares.reshape(block.shape)
-    np.square(block, out=into)
-    total = _sum(squares)
+    total = _square_sum(flat)
     offset = count * mean * mean
     if offset <= total / 4:
         m2 = total - offset
     else:
+        squares = _buffer("squares", block.dtype, count)[:count]
+        into = squares.reshape(block.shape)
         np.subtract(block, block.dtype.type(mean), out=into)
         np.square(into, out=into)
         m2 = _sum(squares)
