@@ -375,13 +375,13 @@ def test_models_without_a_position_limit_dump_from_the_cli(family, tmp_path):
         torch.testing.assert_close(stored[key], value, rtol=0, atol=0, msg=key)
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "t5", "xlnet", "reformer", "llama"])
+@pytest.mark.parametrize("family", sorted(BUILDERS))
 def test_compiled_stats_only_dump_equals_the_eager_one(family, tmp_path):
-    """`dump --compile --stats-only` takes the statistics inside the graph: the eager stats-only
-    dump's keys, order, aliases and skipped values, statistics within the compile preset. Gemma3
-    runs `rotary_emb` twice with different values, in another order compiled (its calls are
-    matched by their statistics: numbered as compiled, the two swap); T5 reuses its dropouts,
-    XLNet returns mems, Reformer breaks into graphs."""
+    """`dump --compile --stats-only` takes the statistics inside the graph, for every family: the
+    eager stats-only dump's keys, order, aliases and skipped values, statistics within the compile
+    preset. Gemma3 runs `rotary_emb` twice with different values, in another order compiled (its
+    calls are matched by their statistics: numbered as compiled, the two swap); T5 reuses its
+    dropouts, XLNet returns mems, Reformer breaks into graphs."""
     from modeltap.capture.compile import CompileBackend
     from modeltap.config import tolerance_preset
 

@@ -160,3 +160,16 @@ def test_calls_match_eager_ones_only_when_each_is_unmistakable(got, eager, want)
         return [[torch.tensor([v])] for v in values]
 
     assert matching(calls(got), calls(eager)) == want
+
+
+def test_statistics_of_calls_match_the_nearest_eager_call():
+    """Summaries lie closer together than values: ModernBERT's two rotary tables differ by 0.04
+    in their cos mean (under SAME_CALL), so only the nearest rule tells the swapped calls apart;
+    a tie is no match."""
+    global_cos = [torch.tensor([0.8492, -0.9900, 1.0])]
+    local_cos = [torch.tensor([0.8132, -0.9900, 1.0])]
+    compiled = [local_cos, global_cos]  # the compiled run made them the other way round
+    eager = [[t + 1e-7 for t in global_cos], [t - 1e-7 for t in local_cos]]
+    assert matching(compiled, eager) is None
+    assert matching(compiled, eager, nearest=True) == [1, 0]
+    assert matching([global_cos, global_cos], [global_cos, global_cos], nearest=True) is None

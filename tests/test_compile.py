@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -424,3 +425,80 @@ def test_compiled_stats_only_dump_has_the_eager_dumps_keys_order_and_aliases(
         }, key
         for field in ("mean", "std", "norm", "min", "max"):
             torch.testing.assert_close(g[field], w[field], **tol, msg=f"{key} {field}")
+
+
+@dataclasses.dataclass
+class _Out:
+    h: torch.Tensor
+
+
+class _Inner(torch.nn.Module):
+    def forward(self, h: torch.Tensor) -> _Out:
+        return _Out(h * 2)
+
+
+class _Q(torch.nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return (h.abs() * 100).to(torch.uint16)
+
+
+class _Big(torch.nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros_like(h)
+        mask[::2] = torch.finfo(torch.float32).min  # rows: each unit holds both values
+        return mask
+
+
+class _Odd(torch.nn.Module):
+    """`inner` returns a plain dataclass (pytree can't look into it), `q` an unsigned integer
+    tensor (no min/max on CPU for uint16), `big` a finite tensor whose squares overflow float32
+    (an additive attention mask of float32's lowest value)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        self.fc = torch.nn.Linear(6, 6)
+        self.inner, self.q, self.big = _Inner(), _Q(), _Big()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.kind == "dataclass":
+            return self.inner(h).h
+        if self.kind == "uint16":
+            return self.q(h).float()
+        return h + self.big(h)
+
+
+@pytest.mark.parametrize(
+    ("kind", "statistics"),
+    [
+        ("dataclass", "after the forward: 'inner' returns a _Out pytree can't look into"),
+        ("uint16", "in the graph"),
+        ("big", "after the forward: 'big' has values past 1e19, whose float32 sums overflow"),
+    ],
+)
+def test_compiled_stats_only_of_odd_outputs_equal_the_eager_dump(
+    tmp_path: Path, kind: str, statistics: str
+) -> None:
+    """Outputs the graph statistics can't take fall back, saying why; what they can take equals
+    the eager dump (a dataclass's tensors were once read as statistics vectors, an unsigned
+    tensor failed the whole dump on the eager backends)."""
+    model = _Odd(kind)
+    # 32 rows: the float32 sums of 16 rows at a time (fewer are summed in float64)
+    x = torch.randn(32, 6, generator=torch.Generator().manual_seed(1))
+    compiled = _library_dump(model, x, tmp_path / "c.safetensors")
+    assert json.loads(compiled["backend_details"])["statistics"] == statistics
+    from modeltap.loading.inputs import Inputs
+    from modeltap.run import dump_model
+
+    dump_model(model, Inputs((x,), {}, {}), tmp_path / "e.safetensors", stats_only=True)
+    with safe_open(str(tmp_path / "e.safetensors"), "pt") as f:
+        eager = f.metadata()
+    want, got = json.loads(eager["stats"]), json.loads(compiled["stats"])
+    assert list(got) == list(want)
+    for key, w in want.items():
+        for field in ("numel", "nan", "inf", "units", "dead", "min", "max"):
+            assert got[key].get(field) == w.get(field), (key, field)
+        for field in ("mean", "std", "norm"):
+            torch.testing.assert_close(got[key][field], w[field], rtol=1e-6, atol=1e-7)

@@ -436,3 +436,24 @@ def test_square_sum_has_the_bits_of_squares_written_out_and_summed(dtype):
         for scale in (1e-3, 1.0, 1e3):
             x = (rng.standard_normal(n) * scale).astype(dtype)
             assert _square_sum(x) == _sum(np.square(x)), (n, scale)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value", "threshold"),
+    [
+        (torch.bfloat16, 0.10009765625, 0.1),  # 0.1 rounds to bfloat16's 0.10009765625
+        (torch.float16, 0.1000366, 0.10002),
+        (torch.int64, 16_777_217, 16_777_216.0),  # float32 would round the value down
+    ],
+)
+def test_graph_stats_count_dead_units_in_the_cpu_paths_dtype(dtype, value, threshold):
+    """The dead-unit threshold is compared where the CPU path compares it (float32, float64 for
+    wide integers), not in the tensor's own dtype, which would round the threshold."""
+    from modeltap.stats import graph_stats, stats_from_graph
+
+    x = torch.full((4, 3), value, dtype=dtype)
+    x[:, 2] = 0
+    want = tensor_stats(x, dead_threshold=threshold)
+    got = stats_from_graph(graph_stats(x, None, threshold).tolist(), [4, 3], dtype)
+    top = float(x.max())  # the value as the dtype holds it
+    assert (got.dead, got.min, got.max) == (want.dead, want.min, want.max) == (1, 0, top)

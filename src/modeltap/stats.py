@@ -493,9 +493,7 @@ def _cpu_stats(
 BLOCK = 1 << 17
 
 
-def _blocks(
-    x: torch.Tensor, units: int | None, size: int
-) -> Iterator[tuple[Any, slice, slice]]:
+def _blocks(x: torch.Tensor, units: int | None, size: int) -> Iterator[tuple[Any, slice, slice]]:
     """(block, its rows, its columns) of x as a [rows, units] numpy array, in row order: whole
     rows when a block holds at least one, else pieces of a row (a 1-D tensor is one row). The
     block is a view where x is float32/float64, else a copy widened exactly (`_work_dtype`) into
@@ -679,19 +677,23 @@ def _device_stats(
 
 def _rows_to_keep(x: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tensor | None:
     """A bool per row of x.reshape(-1, units), or None when every row counts."""
-    if row_mask is None or x.dim() < 3 or tuple(x.shape[:2]) != tuple(row_mask.shape):
-        return None
     # Checked where the mask lives (a CPU mask costs a CUDA tensor no sync), then moved.
-    if bool(row_mask.all()):
+    if not _mask_fits(x, row_mask) or bool(row_mask.all()):  # type: ignore[union-attr]
         return None
-    return rows_kept(x, row_mask)
+    return _kept(x, row_mask)  # type: ignore[arg-type]
 
 
 def rows_kept(x: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """`_rows_to_keep` without looking at the mask's values (traceable): a mask known to leave
-    some rows out, or None when it does not fit x."""
-    if row_mask is None or x.dim() < 3 or tuple(x.shape[:2]) != tuple(row_mask.shape):
-        return None
+    """`_rows_to_keep` without looking at the mask's values (traceable): for a mask known to
+    leave some rows out; None when it does not fit x."""
+    return _kept(x, row_mask) if _mask_fits(x, row_mask) else None  # type: ignore[arg-type]
+
+
+def _mask_fits(x: torch.Tensor, row_mask: torch.Tensor | None) -> bool:
+    return row_mask is not None and x.dim() >= 3 and tuple(x.shape[:2]) == tuple(row_mask.shape)
+
+
+def _kept(x: torch.Tensor, row_mask: torch.Tensor) -> torch.Tensor:
     mask = row_mask.to(device=x.device, dtype=bool)
     middle = x.shape[2:-1]
     return mask.reshape(*mask.shape, *([1] * len(middle))).expand(*x.shape[:-1]).reshape(-1)
@@ -801,25 +803,24 @@ def graph_stats(
     It is exact only for a tensor of finite values: a NaN or Inf (or a sum past float32's range)
     makes one of the numbers non-finite, and `stats_from_graph` says None. Moments: each unit
     (last-dim index) is taken relative to its value in the first row, summed over GRAPH_ROWS
-    rows at a time in float32 (float64 for other dtypes than float16/bfloat16/float32), and the
-    rest in float64, the units combined exactly (Chan et al.): within float32 rounding of a
-    float64 reference (tested to 1e-7 relative for the mean, 2e-7 for the standard deviation and the
-    norm). Extremes and the dead count are exact.
-    """
+    rows at a time in the CPU path's working dtype (`_work_dtype`: float32, or float64 for
+    float64 and 32- and 64-bit integers), and the rest in float64, the units combined exactly
+    (Chan et al.): within float32 rounding of a float64 reference (tested to 1e-7 relative for
+    the mean, 2e-7 for the standard deviation and the norm). Extremes and the dead count (in the
+    working dtype, as the CPU path compares) are exact."""
     import torch
 
     if x.numel() == 0:
         return x.new_zeros(0, dtype=torch.float64)
     units = x.shape[-1] if x.dim() >= 2 else 1
-    native = x.reshape(-1, units)
-    rows = native
-    if rows.dtype != torch.float64:
-        narrow = rows.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        rows = rows.to(torch.float32 if narrow else torch.float64)
+    # the dtype the CPU path reduces in (`_work_dtype`); extremes of a float from its own values
+    # (the same numbers), of an integer from the widened ones (no min/max for every int dtype)
+    work = _work_dtype(x.dtype)
+    rows = x.reshape(-1, units).to(work)
+    native = x.reshape(-1, units) if x.is_floating_point() else rows
     alive = None  # what decides dead units, where rows are left out
     if keep is not None and x.dim() >= 2:
-        source = native if native.is_floating_point() else rows  # -inf needs a float
-        alive = source.masked_fill(~keep[:, None], -math.inf)
+        alive = native.masked_fill(~keep[:, None], -math.inf)
     n = rows.shape[0]
     pivot = rows[:1]
     full = n - n % GRAPH_ROWS
@@ -840,8 +841,8 @@ def graph_stats(
     mean = unit_mean.mean()
     m2 = (s2 - s1 * unit_shift).sum() + n * (unit_mean - mean).square().sum()
     numbers = [mean, m2, lo.amin().to(torch.float64), hi.amax().to(torch.float64)]
-    if x.dim() >= 2:
-        numbers.append((unit_max <= dead_threshold).sum().to(torch.float64))
+    if x.dim() >= 2:  # compared in the working dtype, as the CPU path compares
+        numbers.append((unit_max.to(work) <= dead_threshold).sum().to(torch.float64))
     return torch.stack(numbers)
 
 
@@ -880,12 +881,16 @@ def stats_from_graph(
     numbers: list[float], shape: list[int], dtype: torch.dtype
 ) -> TensorStats | None:
     """`TensorStats` from `graph_stats`' numbers for a tensor of `shape` and `dtype`; None when
-    a number is not finite (the tensor held a NaN or Inf: take it by `tensor_stats`)."""
+    a number is not finite (the tensor held a NaN or Inf, or values past 1e19 whose float32 sums
+    overflowed: take it by `tensor_stats`); ValueError when they are not `graph_stats`' numbers
+    for that shape."""
     import torch
 
     base = {"shape": list(shape), "dtype": dtype_name(dtype), "numel": math.prod(shape)}
     if base["numel"] == 0:
         return tensor_stats(torch.empty(shape, dtype=dtype))
+    if len(numbers) != 4 + (len(shape) >= 2):
+        raise ValueError(f"{len(numbers)} numbers for a tensor of shape {list(shape)}")
     if not all(math.isfinite(v) for v in numbers):
         return None
     mean, m2, lo, hi = numbers[:4]

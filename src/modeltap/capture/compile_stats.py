@@ -2,26 +2,29 @@
 
 The plain compiled capture makes every logged tensor a graph output: inductor can no longer reuse
 its buffers, and the statistics read all of them again once the graph has returned (bert-base
-8 x 128: 692 MB, after the forward, 1.31 x the compiled forward). Here each hook replaces its
-module's output by `stats.graph_stats` of each tensor in it, so the graph returns a few numbers
-per tensor: inductor computes them in its own kernels, beside the ones that make the tensor, while
-the tensor is in cache, and frees or reuses the tensor as it would without hooks. Values are
-taken where the module returned, whatever the graph does to them in place afterwards.
+8 x 128: 692 MB, after the forward, 1.31 x the compiled forward). Here each hook logs, in place
+of its module's output, `stats.graph_stats` of each tensor in it (the forward itself goes on as
+it would), so the graph returns a few numbers per tensor: inductor computes them in its own
+kernels, one read of each tensor while it is in cache, and frees or reuses the tensor as it would
+without hooks. Values are taken where the module returned, whatever the graph does to them in
+place afterwards.
 
 What the numbers cannot say comes from one eager forward with the same hooks' selection before
-compiling (`_layout`): each key's shape, dtype and device, the aliases (a module that returns its
-child's very tensor, as eager names it) and the skipped values, so the keys, order and aliases
-are the eager dump's. The compiled run is named by the same `Recorder` and must produce exactly
-the eager run's keys in the eager order.
+compiling (`learn_layout`): each key's shape, dtype and device, the aliases (a module that
+returns its child's very tensor, as eager names it) and the skipped values, so the keys, order
+and aliases are the eager dump's. The compiled run is named by the same `Recorder` and must
+produce exactly the eager run's keys in the eager order.
 
 A module that runs more than once may run its calls in another order compiled (capture/order.py):
 its calls are matched with the eager ones by their statistics' mean, min and max, as the copying
 path matches them by value.
 
 `graph_stats_run` says why it can't (and the caller takes the copying path) when: a tensor has a
-dtype or layout the graph statistics don't take (complex, float8, sparse), the compiled run's
-keys differ from eager's, or a tensor held a NaN or Inf (its counts and masked moments need the
-tensor itself).
+dtype or layout the graph statistics don't take (complex, float8, sparse), an output holds
+tensors pytree can't find (a plain dataclass, which modeltap's keys open), the compiled run's
+keys differ from eager's, a tensor held a NaN or Inf (its counts and masked moments need the
+tensor itself), or values past 1e19 overflowed the float32 sums (an additive attention mask of
+float32's lowest value).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from modeltap.capture.compile import (
     renumber_like_eager,
     seeded_run,
 )
-from modeltap.capture.recorder import Recorder
+from modeltap.capture.recorder import MemorySink, Recorder
+from modeltap.selection import ROOT
 
 if TYPE_CHECKING:
     import torch
@@ -123,18 +127,25 @@ class _Layout:
     def alias(self, key: str, target: str) -> None:
         pass
 
+    def check(self, name: str, is_input: bool = False) -> Callable[..., None]:
+        """A hook noting, in `unfit`, an output (or inputs) whose tensors pytree doesn't find
+        as `keys.flatten` does."""
 
-@dataclass
-class _Vectors:
-    """A sink for the compiled run's named statistics vectors."""
+        def check(module: nn.Module, args: Any, *rest: Any) -> None:
+            import torch
+            from torch.utils import _pytree
 
-    vectors: dict[str, torch.Tensor] = field(default_factory=dict)
+            from modeltap.capture.order import tensor_leaves
 
-    def tensor(self, key: str, tensor: torch.Tensor) -> None:
-        self.vectors[key] = tensor
+            value = (args, rest[0]) if is_input else rest[0]
+            found = [t for t in _pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+            named = tensor_leaves(value)
+            same = len(found) == len(named)
+            same = same and all(a is b for a, b in zip(found, named, strict=True))
+            if self.unfit is None and not same:
+                self.unfit = f"'{name}' returns a {type(value).__name__} pytree can't look into"
 
-    def alias(self, key: str, target: str) -> None:
-        pass
+        return check
 
 
 def learn_layout(
@@ -155,11 +166,24 @@ def learn_layout(
     from modeltap.capture.eager import hooks, run_model
 
     layout = _Layout()
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        if seed is not None:
-            torch.manual_seed(seed)
-        with hooks(model, modules, layout, inputs=inputs, train_mode=train_mode) as eager:
-            run_model(model, args, kwargs)
+    by_name = {(n or ROOT): m for n, m in model.named_modules()}
+    # the hooks see what `StatsCapture`'s will: their tensors, found by pytree, must be the ones
+    # modeltap's keys name (`flatten` also opens plain dataclasses and other Mappings)
+    checks = [by_name[name].register_forward_hook(layout.check(name)) for name in modules]
+    if inputs:
+        checks += [
+            by_name[name].register_forward_pre_hook(layout.check(name, True), with_kwargs=True)
+            for name in modules
+        ]
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            if seed is not None:
+                torch.manual_seed(seed)
+            with hooks(model, modules, layout, inputs=inputs, train_mode=train_mode) as eager:
+                run_model(model, args, kwargs)
+    finally:
+        for handle in checks:
+            handle.remove()
     if layout.unfit is not None:
         raise NotInGraph(layout.unfit)
     return eager, layout
@@ -187,29 +211,42 @@ def hand_over(
 
     from modeltap.stats import stats_from_graph
 
-    named = Recorder(_Vectors())
+    differ = NotInGraph("the compiled run's outputs differ from the eager run's")
+    named = Recorder(MemorySink())
     record_log(named, log)
     if named.order != eager.order:
-        raise NotInGraph("the compiled run's outputs differ from the eager run's")
-    vectors = named.sink.vectors  # type: ignore[attr-defined]
+        raise differ
+    vectors = named.sink.tensors  # type: ignore[attr-defined]
     keys = [key for key in eager.order if key not in eager.aliases]
     # An empty tensor's vector is empty, like a placeholder's: the compiled recorder may have
     # named it an alias of one. Any other key without its vector is a mismatch.
-    empty = torch.zeros(0, dtype=torch.float64)
     if any(key not in vectors and math.prod(layout.tensors[key][0]) for key in keys):
-        raise NotInGraph("the compiled run's outputs differ from the eager run's")
-    found = [vectors.get(key, empty) for key in keys]
-    # one transfer for all of them (from a GPU: one sync, not one per tensor)
-    numbers = torch.cat([v.reshape(-1).to(torch.float64).cpu() for v in found]).tolist()
+        raise differ
+    found = {key: vectors[key].reshape(-1) for key in keys if key in vectors}
+    # one transfer per device (from a GPU: one sync, not one per tensor)
+    numbers: dict[str, list[float]] = {}
+    for device in {v.device for v in found.values()}:
+        here = [key for key, v in found.items() if v.device == device]
+        flat = torch.cat([found[key].to(torch.float64) for key in here]).tolist()
+        at = 0
+        for key in here:
+            numbers[key] = flat[at : at + found[key].numel()]
+            at += found[key].numel()
     computed: dict[str, TensorStats] = {}
-    at = 0
-    for key, vector in zip(keys, found, strict=True):
-        width = vector.numel()
+    for key in keys:
         shape, dtype, _ = layout.tensors[key]
-        stats = stats_from_graph(numbers[at : at + width], shape, dtype)
-        at += width
+        got = numbers.get(key, [])
+        try:
+            stats = stats_from_graph(got, shape, dtype)
+        except ValueError:
+            raise differ from None
         if stats is None:
-            raise NotInGraph(f"'{key}' holds a NaN or Inf")
+            extremes_finite = all(math.isfinite(v) for v in got[2:4])
+            raise NotInGraph(
+                f"'{key}' has values past 1e19, whose float32 sums overflow"
+                if extremes_finite
+                else f"'{key}' holds a NaN or Inf"
+            )
         computed[key] = stats
     for key in eager.order:
         target = eager.aliases.get(key)

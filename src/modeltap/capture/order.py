@@ -77,20 +77,24 @@ def eager_calls(
 SAME_CALL = 0.05
 
 
-def matching(got: list[Leaves], eager: list[Leaves]) -> list[int] | None:
+def matching(got: list[Leaves], eager: list[Leaves], *, nearest: bool = False) -> list[int] | None:
     """For each of the backend's calls, the number of the eager call it is (the only one within
     SAME_CALL); None when they don't match one to one (dropout in training mode, two calls on the
-    same input)."""
+    same input). `nearest`: the one nearest within SAME_CALL, at most half as far as the next (for
+    summaries of calls, such as statistics, which lie closer together than their values do)."""
     if len(got) != len(eager):
         return None
     numbers = []
     for leaves in got:
         distances = [_distance(leaves, other) for other in eager]
-        close = [d for d in distances if d <= SAME_CALL]
-        if len(close) != 1:
+        ranked = sorted(distances)
+        if nearest:
+            unique = len(ranked) < 2 or ranked[0] <= ranked[1] / 2
+            if ranked[0] > SAME_CALL or not unique:
+                return None
+        elif sum(d <= SAME_CALL for d in distances) != 1:
             return None
-        best = close[0]
-        numbers.append(distances.index(best))
+        numbers.append(distances.index(ranked[0]))
     return numbers if sorted(numbers) == list(range(len(eager))) else None
 
 
