@@ -575,7 +575,9 @@ def _sum(flat: Any) -> float:
 def _square_sum(flat: Any) -> float:
     """`_sum` of the squares of `flat`, the same bits, without writing the squares out: einsum
     multiplies and adds each column's values in turn, as `_sum` adds them (a 2^17-element block
-    in cache: 25 GB/s on this machine, against 15 for squares written to a buffer and summed)."""
+    in cache: 25 GB/s on this machine, against 15 for squares written to a buffer and summed).
+    The same bits where numpy's einsum rounds the product before adding it, as this machine's
+    does (tests/test_stats.py checks); one that fused them would differ within float32 rounding."""
     import numpy as np
 
     whole = flat.size - flat.size % _SUM_ROWS
