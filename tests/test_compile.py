@@ -502,3 +502,33 @@ def test_compiled_stats_only_of_odd_outputs_equal_the_eager_dump(
             assert got[key].get(field) == w.get(field), (key, field)
         for field in ("mean", "std", "norm"):
             torch.testing.assert_close(got[key][field], w[field], rtol=1e-6, atol=1e-7)
+
+
+def test_compiled_stats_only_falls_back_when_the_statistics_do_not_compile(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Statistics that break a --fullgraph graph (here made to) fall back to the copying path,
+    whose graph compiles: the dump is written and says why."""
+    import modeltap.stats as stats_module
+    from modeltap.capture.compile import CompileBackend
+    from modeltap.loading.inputs import Inputs
+    from modeltap.run import dump_model
+
+    real = stats_module.graph_stats
+
+    def breaking(*args, **kwargs):
+        torch._dynamo.graph_break()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stats_module, "graph_stats", breaking)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    out = tmp_path / "d.safetensors"
+    backend = CompileBackend("aot_eager", fullgraph=True)
+    dump_model(_Twice(), Inputs((x,), {}, {}), out, stats_only=True, backend=backend)
+    with safe_open(str(out), "pt") as f:
+        meta = f.metadata()
+    details = json.loads(meta["backend_details"])
+    assert details["statistics"].startswith(
+        "after the forward: the hooks with statistics did not compile"
+    )
+    assert details["graphs"] == 1 and set(json.loads(meta["stats"])) == {"fc", "act", "out"}

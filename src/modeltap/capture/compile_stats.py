@@ -22,9 +22,9 @@ path matches them by value.
 `graph_stats_run` says why it can't (and the caller takes the copying path) when: a tensor has a
 dtype or layout the graph statistics don't take (complex, float8, sparse), an output holds
 tensors pytree can't find (a plain dataclass, which modeltap's keys open), the compiled run's
-keys differ from eager's, a tensor held a NaN or Inf (its counts and masked moments need the
-tensor itself), or values past 1e19 overflowed the float32 sums (an additive attention mask of
-float32's lowest value).
+keys differ from eager's, the hooks with statistics fail to compile, a tensor held a NaN or Inf
+(its counts and masked moments need the tensor itself), or values past 1e19 overflowed the
+float32 sums (an additive attention mask of float32's lowest value).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from modeltap.capture.compile import (
     seeded_run,
 )
 from modeltap.capture.recorder import MemorySink, Recorder
+from modeltap.errors import RunError
 from modeltap.selection import ROOT
 
 if TYPE_CHECKING:
@@ -290,7 +291,10 @@ def graph_stats_run(
         dead_threshold=dead_threshold,
         aliased=aliased_modules(eager),
     ) as cap:
-        info.first_call_s = seeded_run(cap, args, kwargs, seed)[1]
+        try:
+            info.first_call_s = seeded_run(cap, args, kwargs, seed)[1]
+        except RunError as exc:  # the copying path says so again if the model itself fails
+            raise NotInGraph(f"the hooks with statistics did not compile ({exc})") from exc
         output, info.run_s = seeded_run(cap, args, kwargs, seed)
         info.graphs = len(cap.graphs)
         info.graph_breaks = max(0, info.graphs - 1)
