@@ -696,3 +696,43 @@ def test_a_loop_that_never_calls_the_models_forward_keeps_the_full_check(tmp_pat
     trip = caught.value.trip
     assert (trip.step, trip.module, trip.unreproduced) == (3, "net.fc2", None)
     assert rec._sentinel is None
+
+
+def test_lazy_trip_in_the_second_of_two_backwards_names_the_module(tmp_path: Path) -> None:
+    """Two forwards, then their two backwards, on a step checked lazily: the first backward ends
+    clean, and the second forward is still kept for its own backward's re-run (a clean backward
+    once let go of every forward of the step, and the trip said its backward couldn't run again)."""
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as caught:
+        with modeltap.record(model, tmp_path / "run", every=100, on_nonfinite="raise") as rec:
+            for step in range(5):
+                model.gate.on = False
+                first = model(batch(step)).square().mean()
+                model.gate.on = step == 3
+                second = model(batch(step + 10)).square().mean()
+                first.backward()
+                second.backward()
+                opt.step()
+                opt.zero_grad()
+                rec.step()
+    trip = caught.value.trip
+    assert trip.unreproduced is None
+    assert (trip.step, trip.phase, trip.module, trip.key) == (3, "backward", "gate", "grad/fc2")
+
+
+def test_lazy_warn_names_a_forward_once_not_again_in_its_backward(tmp_path: Path) -> None:
+    """warn: a NaN made in the forward of a lazily checked step is named there; the step's
+    backward carries that NaN and is not reported again as a backward that can't be run."""
+    torch.manual_seed(0)
+    model = Tiny()
+
+    def poison(step: int) -> None:
+        model.gate.on = step == 3  # a NaN gradient at 3; the weights are NaN from step 4 on
+
+    rec, _ = run_steps(model, tmp_path / "run", 5, every=100, on_nonfinite="warn", before=poison)
+    assert [(t.step, t.phase, t.module, t.unreproduced) for t in rec.trips] == [
+        (3, "backward", "gate", None),
+        (4, "forward", "fc1", None),
+    ]

@@ -591,10 +591,12 @@ class Recording:
         assert sentinel is not None
         source = sentinel.bad_source()
         if source is None:
-            sentinel.reset()
+            sentinel.backward_done()
         elif self.scaler is not None and _scaler_enabled(self.scaler):
             self._step_skipped = True  # what a GradScaler looks for: see _check_backward
-            sentinel.reset()
+            sentinel.backward_done()
+        elif any(t.step == self.step_index and t.phase == FORWARD for t in self.trips[-1:]):
+            sentinel.backward_done()  # (warn) the NaN of a forward that tripped, named already
         else:
             self._rerun(BACKWARD, f"the gradient of '{source}'s output")
 
@@ -623,14 +625,16 @@ class Recording:
                 if starts is not None:
                     tensors = [grad_leaves(outputs[f])[i] for f, i, _ in starts]
                     params = [p for _, p in self._named_params if p.requires_grad]
+                    # the watch checks this backward as it ends, as it would the step's
                     torch.autograd.grad(
                         tensors, params, [g for _, _, g in starts], allow_unused=True
                     )
-                    self._check_pending()
         finally:
             set_rng_states(saved)
             watch.reset()
             sentinel.reset()
+            if phase == FORWARD:  # their backward is still to come (warn goes on)
+                sentinel.forwards = forwards
             self._lazy = True
         if len(self.trips) == trips:
             self._trip(self._unreproduced(phase, seen, backward_kept=starts is not None))

@@ -135,6 +135,13 @@ class Sentinel:
             return None
         return starts
 
+    def backward_done(self) -> None:
+        """A backward ended checked: let go of the forwards it ran through (their outputs
+        received a gradient). A forward whose backward is still to come (two forwards, then
+        their two backwards) stays kept for it."""
+        self.forwards = [f for f in self.forwards if not (f.grads or f.unheld)]
+        self.source_flags = []
+
     def reset(self) -> None:
         self.forwards = []
         self.source_flags = []
