@@ -87,22 +87,14 @@ def transform(
             "compared at that depth and above"
         )
     examples = _example_calls(reference, names, inputs)
-    import torch
 
     for name in names:
         if name not in examples:
             continue  # never called: left as it is, and reported as not called
         args, kwargs = examples[name]
-        try:
-            program = torch.export.export(candidate.get_submodule(name), args, kwargs, strict=False)
-        except Exception as exc:  # export raises many kinds for code it can't trace
-            raise RunError(
-                f"torch.export failed on '{name}': {first_line(exc)}; try another --depth"
-            ) from exc
-        exported = program.module()
-        for module in exported.modules():  # its train() and eval() raise: set the flag itself
-            module.training = False
-        _replace(candidate, name, exported)
+        _replace(
+            candidate, name, _eval_graph(_export(candidate.get_submodule(name), name, args, kwargs))
+        )
     return (
         f"{len(examples)} modules at depth {depth} exported each on its own (torch.export); "
         "compared at that depth and above"
@@ -273,16 +265,9 @@ def _export_call(
             return self.module(*args, **kwargs)
 
     dynamic = tuple({i: Dim.AUTO for i in range(t.dim())} for t in tensors)
-    try:
+    with quiet_specialization():  # a size of 1 fixed is what `sizes` keeps
         # one argument, *inputs: its shapes are one tuple
-        with quiet_specialization():  # a size of 1 fixed is what `sizes` keeps
-            program = torch.export.export(
-                Call(), tuple(tensors), dynamic_shapes=(dynamic,), strict=False
-            )
-    except Exception as exc:  # export raises many kinds for code it can't trace
-        raise RunError(
-            f"torch.export failed on '{name}': {first_line(exc)}; try another --depth"
-        ) from exc
+        program = _export(Call(), name, tuple(tensors), {}, dynamic_shapes=(dynamic,))
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     sizes = [
         (
@@ -291,7 +276,24 @@ def _export_call(
         )
         for i, t in zip(program.graph_signature.user_inputs, tensors, strict=True)
     ]
+    return _eval_graph(program), sizes
+
+
+def _export(module: nn.Module, name: str, args: Any, kwargs: Any, **options: Any) -> Any:
+    """`torch.export.export` (non-strict) of the module at `name`, or a RunError naming it."""
+    import torch
+
+    try:
+        return torch.export.export(module, args, kwargs, strict=False, **options)
+    except Exception as exc:  # export raises many kinds for code it can't trace
+        raise RunError(
+            f"torch.export failed on '{name}': {first_line(exc)}; try another --depth"
+        ) from exc
+
+
+def _eval_graph(program: Any) -> nn.Module:
+    """The program's module in eval mode (its train() and eval() raise: the flags are set)."""
     graph = program.module()
-    for part in graph.modules():  # its train() and eval() raise: set the flag itself
+    for part in graph.modules():
         part.training = False
-    return graph, sizes
+    return graph
