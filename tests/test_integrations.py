@@ -598,7 +598,7 @@ def test_trainer_trip_at_an_unrecorded_step_names_the_module(tmp_path: Path, eag
 
     model = _classifier()
     target = model.bert.encoder.layer[1].attention.output.dense
-    armed = {"on": False}
+    armed = {"on": False, "calls": 0}
 
     class Arm(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -606,6 +606,7 @@ def test_trainer_trip_at_an_unrecorded_step_names_the_module(tmp_path: Path, eag
 
     def poison(module, args, output):  # every training forward of global step 3
         if armed["on"] and module.training and torch.is_grad_enabled():
+            armed["calls"] += 1
             output = output.clone()
             output[0, 0, 0] = float("nan")
             return output
@@ -629,6 +630,8 @@ def test_trainer_trip_at_an_unrecorded_step_names_the_module(tmp_path: Path, eag
     assert (trip.step, trip.phase) == (3, "forward")
     assert (trip.module, trip.key) == ("bert.encoder.layer.1.attention.output.dense",) * 2
     assert trip.unreproduced is None and trip.stats["nan"] == 1
+    # lazily, the step's first forward ran once more (the re-run that named the module)
+    assert armed["calls"] == (1 if eager else 2)
 
 
 def test_lightning_trip_when_training_step_calls_a_submodule(tmp_path: Path) -> None:
