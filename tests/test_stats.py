@@ -459,3 +459,135 @@ def test_graph_stats_count_dead_units_in_the_cpu_paths_dtype(dtype, value, thres
     got = stats_from_graph(graph_stats(x, None, threshold).tolist(), [4, 3], dtype)
     top = float(x.max())  # the value as the dtype holds it
     assert (got.dead, got.min, got.max) == (want.dead, want.min, want.max) == (1, 0, top)
+
+
+@pytest.mark.parametrize("nonfinite", ["inf", "nan", "both"])
+@pytest.mark.parametrize("numel", [138, 5_000, 300_000], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("final", [False, True], ids=["eager", "final"])
+def test_nonfinite_values_are_counted_without_a_numpy_warning(nonfinite, numel, dtype, final):
+    """A block holding +inf and -inf sums to NaN in numpy, which warned `invalid value
+    encountered in reduce` from inside the statistics (issue 29 item 4): the counts are the
+    statistics' to report, the moments those of the finite values, and no warning."""
+    import warnings
+
+    import numpy as np
+
+    from modeltap.stats import final_stats
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(numel, generator=generator).to(dtype)
+    if nonfinite != "nan":
+        x[50:53] = math.inf
+        x[60:62] = -math.inf
+    if nonfinite != "inf":
+        x[-40:] = math.nan
+    x = x.reshape(-1, 2)
+    values = x.double().numpy().reshape(-1)
+    finite = values[np.isfinite(values)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = (final_stats if final else tensor_stats)(x)
+    assert got.nan == int(np.isnan(values).sum()) == (0 if nonfinite == "inf" else 40)
+    assert got.inf == int(np.isinf(values).sum()) == (0 if nonfinite == "nan" else 5)
+    assert got.mean == pytest.approx(float(finite.mean()), rel=1e-6, abs=1e-9)
+    assert got.std == pytest.approx(float(finite.std(ddof=1)), rel=1e-6)
+    assert got.norm == pytest.approx(float(np.sqrt(np.square(finite).sum())), rel=1e-6)
+    assert (got.min, got.max) == (float(finite.min()), float(finite.max()))
+
+
+def test_all_nan_tensor_has_counts_and_no_moments():
+    import warnings
+
+    x = torch.full((300_000,), math.nan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = tensor_stats(x)
+    assert (got.nan, got.inf) == (300_000, 0)
+    assert (got.norm, got.mean, got.min, got.max, got.absmax) == (None,) * 5
+
+
+def test_rules_pass_no_magnitude_verdict_on_a_nonfinite_tensor():
+    """A GradScaler-skipped step's gradient below a ReLU: NaN where the unit was on, 0 where
+    off. Its finite values have norm 0, which read as a vanishing gradient (issue 29 item 4);
+    the NaN count is what it reports, and no rule judges its size."""
+    from modeltap.record.rules import (
+        ACTIVATION,
+        GRADIENT,
+        PARAM_GRAD,
+        Observation,
+        apply_rules,
+        default_rules,
+    )
+
+    grad = torch.zeros(8, 64)
+    grad[:, ::3] = math.nan
+    huge = torch.full((8, 64), 1e6)
+    huge[0, 0] = math.inf
+    saturated = torch.ones(8, 64)
+    saturated[0, 0] = math.nan
+    observations = [
+        Observation("grad/1", GRADIENT, tensor_stats(grad)),
+        Observation("grad/0.weight", PARAM_GRAD, tensor_stats(grad)),
+        Observation("grad/2", GRADIENT, tensor_stats(huge)),
+        Observation("3", ACTIVATION, tensor_stats(saturated), module_class="Sigmoid"),
+    ]
+    assert tensor_stats(grad).nan == 8 * 22 and tensor_stats(grad).norm == 0.0
+    assert apply_rules(default_rules(), observations, step=0, rank=0) == []
+    # the same tensors without their non-finite values are judged as before
+    finite = [
+        Observation("grad/1", GRADIENT, tensor_stats(grad.nan_to_num(0.0))),
+        Observation("grad/2", GRADIENT, tensor_stats(huge.nan_to_num(posinf=1e6))),
+        Observation(
+            "3", ACTIVATION, tensor_stats(saturated.nan_to_num(1.0)), module_class="Sigmoid"
+        ),
+    ]
+    hits = apply_rules(default_rules(), finite, step=0, rank=0)
+    assert [h.rule for h in hits] == ["vanishing_gradient", "exploding_gradient", "saturation"]
+
+
+def test_gradscaler_skipped_step_is_not_reported_vanishing(tmp_path):
+    """fp16 autocast with a GradScaler whose scale overflows the backward: the step is skipped,
+    its gradients hold NaN, and no rule hit (before: vanishing_gradient on the ReLU outputs'
+    gradients, NaN where a unit was on and 0 elsewhere) nor a numpy warning."""
+    import warnings
+
+    import modeltap
+    from modeltap.record import read_run
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+        torch.nn.Linear(64, 4),
+    )  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**60)
+    nonfinite_counts: dict[str, int] = {}  # the reference: plain tensor hooks on the same backward
+
+    def count_nonfinite(name):
+        def forward_hook(module, args, output):
+            output.register_hook(
+                lambda g: nonfinite_counts.update({name: int((~g.isfinite()).sum())})
+            )
+
+        return forward_hook
+
+    for name in ("0", "2"):
+        model.get_submodule(name).register_forward_hook(count_nonfinite(name))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with modeltap.record(model, tmp_path / "run", every=1, scaler=scaler) as rec:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 16) * 100).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            hits = rec.step()
+    step = read_run(tmp_path / "run").ranks[0].steps[0]
+    assert step.get("skipped") is True and rec.skipped == [0]
+    assert hits == [] and step["hits"] == []
+    assert nonfinite_counts["0"] > 0 and nonfinite_counts["2"] > 0
+    assert step["keys"]["grad/0"]["nonfinite"] == nonfinite_counts["0"]
+    assert step["keys"]["grad/2"]["nonfinite"] == nonfinite_counts["2"]
+    assert step["keys"]["grad/2"]["norm"] == 0.0  # its finite values: the ReLU's zeros

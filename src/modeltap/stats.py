@@ -599,19 +599,22 @@ def _block_pass(block: Any) -> tuple[float, float, float] | None:
 
     count = block.size
     flat = block.reshape(-1)
-    mean = _sum(flat) / count
-    if not math.isfinite(mean):
-        return None
-    total = _square_sum(flat)
-    offset = count * mean * mean
-    if offset <= total / 4:
-        m2 = total - offset
-    else:
-        squares = _buffer("squares", block.dtype, count)[:count]
-        into = squares.reshape(block.shape)
-        np.subtract(block, block.dtype.type(mean), out=into)
-        np.square(into, out=into)
-        m2 = _sum(squares)
+    # +inf and -inf sum to NaN ("invalid value"), large values may overflow: the block is then
+    # counted and redone from its finite values, so numpy's warning would only be noise.
+    with np.errstate(invalid="ignore", over="ignore"):
+        mean = _sum(flat) / count
+        if not math.isfinite(mean):
+            return None
+        total = _square_sum(flat)
+        offset = count * mean * mean
+        if offset <= total / 4:
+            m2 = total - offset
+        else:
+            squares = _buffer("squares", block.dtype, count)[:count]
+            into = squares.reshape(block.shape)
+            np.subtract(block, block.dtype.type(mean), out=into)
+            np.square(into, out=into)
+            m2 = _sum(squares)
     if not math.isfinite(m2):
         return None
     return mean, m2, float(block.min())

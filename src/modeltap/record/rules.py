@@ -11,7 +11,10 @@ ones are frozen dataclasses whose fields are their thresholds:
     UpdateRatio(low=1e-8, high=1e-1)    ||w_after - w_before|| / ||w_before|| outside [low, high],
                                         for parameters with at least min_dims=2 dimensions
 
-The gradient thresholds are on the norm, as `modeltap grads` flags them. The defaults are
+The gradient thresholds are on the norm, as `modeltap grads` flags them. No built-in rule judges
+a tensor holding NaN/Inf by its size: its norm and extremes are those of its finite values only
+(a GradScaler-skipped step's gradient, NaN where a ReLU let it through and 0 elsewhere, would
+read as vanishing); the tripwire and the `nonfinite` count report it. The defaults are
 calibrated on healthy runs (scripts/calibrate_rules.py: MiniLM fine-tuned as a classifier,
 bert-base MLM) so that those give no warning; the README's "Rules" section has the figures. A
 signed output's share of units never above 0 sits near 50% by symmetry (0.50 on MiniLM's token
@@ -121,7 +124,7 @@ class DeadUnits:
     name = "dead_units"
 
     def __call__(self, obs: Observation) -> tuple[float, str] | None:
-        if obs.kind != ACTIVATION or obs.stats is None or obs.stats.nan:
+        if obs.kind != ACTIVATION or obs.stats is None or _nonfinite(obs.stats):
             return None  # NaN never counts as alive: the tripwire reports those
         if not obs.stats.dtype.startswith(("float", "bfloat")):
             return None
@@ -149,6 +152,8 @@ class Saturation:
         s = obs.stats
         if obs.kind != ACTIVATION or bounds is None or s is None or s.mean is None or not s.numel:
             return None
+        if _nonfinite(s):
+            return None
         centre, half = (bounds[0] + bounds[1]) / 2, (bounds[1] - bounds[0]) / 2
         var = (s.std or 0.0) ** 2 * (s.numel - 1) / s.numel
         share = math.sqrt(var + (s.mean - centre) ** 2) / half
@@ -169,6 +174,8 @@ class UpdateRatio:
 
     def __call__(self, obs: Observation) -> tuple[float, str] | None:
         if obs.kind != UPDATE or obs.value is None or (obs.dims or 0) < self.min_dims:
+            return None
+        if not math.isfinite(obs.value):
             return None
         if obs.value > self.high:
             return obs.value, f"update/weight ratio {obs.value:.3g} > {self.high:g}"
@@ -203,6 +210,11 @@ def apply_rules(
 
 
 def _grad_norm(obs: Observation) -> float | None:
-    if obs.kind not in (GRADIENT, PARAM_GRAD) or obs.stats is None:
+    """The norm of a gradient that holds finite values only, else None."""
+    if obs.kind not in (GRADIENT, PARAM_GRAD) or obs.stats is None or _nonfinite(obs.stats):
         return None
     return obs.stats.norm
+
+
+def _nonfinite(stats: TensorStats) -> bool:
+    return bool(stats.nan or stats.inf)
