@@ -23,7 +23,7 @@ from modeltap.capture.export import (
 from modeltap.cli import app
 from modeltap.errors import InputError
 from modeltap.loading.archive import load_pt2, scan_pt2
-from tests.fixtures.backends import nested, read_dump
+from tests.fixtures.backends import OTHER_GRAPH, nested, read_dump
 
 runner = CliRunner()
 
@@ -44,7 +44,7 @@ def _assert_exact(sink: MemorySink, done, want) -> None:
     assert set(rec.order) == set(want.keys())
     for key in want.keys():
         got = sink.tensors[rec.aliases.get(key, key)]
-        torch.testing.assert_close(got, want[key], atol=0, rtol=0, msg=key)
+        torch.testing.assert_close(got, want[key], **OTHER_GRAPH, msg=key)
 
 
 def test_nested_module_exports_with_eager_keys_and_exact_values(tmp_path: Path) -> None:
@@ -57,7 +57,8 @@ def test_nested_module_exports_with_eager_keys_and_exact_values(tmp_path: Path) 
     _assert_exact(sink, done, want)
     assert done.recorder.order == want.keys()  # shared, shared@1, shared@2 in call order
     # the in-place `h += 1` after norm returned, and ReLU(inplace) after head, don't leak in
-    torch.testing.assert_close(sink.tensors["head"], model.head(want["norm"] + 1.0), atol=0, rtol=0)
+    head = model.head(want["norm"] + 1.0)
+    torch.testing.assert_close(sink.tensors["head"], head, **OTHER_GRAPH)
     assert done.unmapped == ["blocks"]  # a ModuleList is never called
 
 
@@ -73,7 +74,7 @@ def test_tiny_bert_cli_export_then_dump_equals_eager(bert_dir: Path) -> None:
     exported, meta = read_dump("exported.safetensors")
     assert set(exported) == set(eager) and len(eager) == 46
     for key, value in eager.items():
-        torch.testing.assert_close(exported[key], value, atol=0, rtol=0, msg=key)
+        torch.testing.assert_close(exported[key], value, **OTHER_GRAPH, msg=key)
     assert meta["backend"] == "export"
     # other inputs through the dynamic dims, tokenized with the model's tokenizer
     r = runner.invoke(

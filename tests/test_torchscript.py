@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from modeltap.capture import capture
 from modeltap.capture.torchscript import save_traced
 from modeltap.cli import app
-from tests.fixtures.backends import nested, read_dump
+from tests.fixtures.backends import OTHER_GRAPH, nested, read_dump
 
 runner = CliRunner()
 
@@ -40,7 +40,7 @@ def test_traced_and_scripted_archives_dump_the_eager_keys_exactly(tmp_path: Path
         got, meta = read_dump(out)
         assert set(got) == set(eager), name
         for key, value in eager.items():
-            torch.testing.assert_close(got[key], value, atol=0, rtol=0, msg=f"{name} {key}")
+            torch.testing.assert_close(got[key], value, **OTHER_GRAPH, msg=f"{name} {key}")
         assert meta["backend"] == "torchscript"
         assert meta["unmapped"] == '["blocks"]'  # the ModuleList, never called
         r = runner.invoke(app, ["ls", str(tmp_path / name)])
@@ -63,7 +63,7 @@ def _eager_and_traced(model_dir: Path, texts: list[str], traced: str) -> tuple[d
 def _assert_same(eager: dict, got: dict) -> None:
     assert set(got) == set(eager)
     for key, value in eager.items():
-        torch.testing.assert_close(got[key], value, atol=0, rtol=0, msg=key)
+        torch.testing.assert_close(got[key], value, **OTHER_GRAPH, msg=key)
 
 
 def test_traced_bert_from_export_dumps_the_eager_keys_exactly(bert_dir: Path) -> None:
@@ -98,7 +98,7 @@ def test_bert_traced_elsewhere_says_its_keys_follow_the_graph(bert_dir: Path) ->
     assert json.loads(meta["backend_details"])["output_record"] is False
     want = capture(model, input_ids=ids, attention_mask=mask)
     for key in set(got) & set(want.keys()):
-        torch.testing.assert_close(got[key], want[key], atol=0, rtol=0, msg=key)
+        torch.testing.assert_close(got[key], want[key], **OTHER_GRAPH, msg=key)
     # without the record a (tensor, None) tuple or a ModelOutput is keyed by its bare value
     assert "encoder" in got and "encoder:last_hidden_state" not in got
 
@@ -154,9 +154,9 @@ def test_tuple_values_map_by_the_order_they_were_computed_in() -> None:
     got, _ = read_dump("p.st")
     a = torch.nn.functional.linear(x, model.pair.lin.weight, model.pair.lin.bias)
     assert set(got) == {"pair.lin", "pair:0", "pair:2", "__root__:sum", "__root__:first"}
-    torch.testing.assert_close(got["pair:0"], a * 2.0, atol=0, rtol=0)  # b, computed second
-    torch.testing.assert_close(got["pair:2"], a, atol=0, rtol=0)
-    torch.testing.assert_close(got["__root__:sum"], a + a * 2.0, atol=0, rtol=0)
+    torch.testing.assert_close(got["pair:0"], a * 2.0, **OTHER_GRAPH)  # b, computed second
+    torch.testing.assert_close(got["pair:2"], a, **OTHER_GRAPH)
+    torch.testing.assert_close(got["__root__:sum"], a + a * 2.0, **OTHER_GRAPH)
 
 
 def test_frozen_archive_without_hierarchy_is_a_one_line_error(tmp_path: Path) -> None:
@@ -219,5 +219,5 @@ def test_a_scripted_input_with_a_default_may_be_left_out() -> None:
     got, _ = read_dump("s.st")
     xm = load_file("xm.safetensors")
     lin = torch.nn.functional.linear(xm["x"], model.lin.weight, model.lin.bias)
-    torch.testing.assert_close(got["lin"], lin, atol=0, rtol=0)
-    torch.testing.assert_close(got["__root__"], lin * xm["mask"] * 2.0, atol=0, rtol=0)
+    torch.testing.assert_close(got["lin"], lin, **OTHER_GRAPH)
+    torch.testing.assert_close(got["__root__"], lin * xm["mask"] * 2.0, **OTHER_GRAPH)
