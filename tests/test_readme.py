@@ -72,3 +72,39 @@ def test_stale_lines_are_reported_with_what_is_printed_now():
     assert stale == ["'PASS  3 compared' now 'FAIL  3 compared'"]
     _, stale = examples._merge(["a", "b"], ["a"])
     assert stale == ["2 lines where it now prints 1"]
+
+
+def test_readme_numbers_repeated_calls_as_the_recorder_does(tmp_path):
+    """The README says once how the k-th call of a module is keyed; a step of three forwards,
+    recorded, keys them so (checked against the outputs plain hooks saw)."""
+    import re
+
+    import torch
+
+    import modeltap
+    from modeltap.dump import load_dump
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    # Every "the first/second ... `x@k`" the README states, as (ordinal, k).
+    ordinals = {"first": 1, "second": 2, "third": 3}
+    pattern = r"the (first|second|third)(?: forward's keys are| call is) `[\w.]+@(\d+)`"
+    claims = re.findall(pattern, readme)
+    assert claims, "the README states the rule nowhere"
+    # "the (N+1)-th `module@N`": a k-th call is @(k-1), the first having no suffix.
+    for var, plus, suffix in re.findall(r"the \(?(\w)(\+1)?\)?-th `[\w.]+@(\w)`", readme):
+        assert (var, plus) == (suffix, "+1"), f"the README keys a {var}-th call @{suffix}"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh())
+    seen = []
+    handle = model[0].register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with modeltap.record(model, tmp_path / "run", every=1, full_every=1) as rec:
+        for _ in range(3):
+            model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        rec.step()
+    handle.remove()
+    dump = load_dump(tmp_path / "run" / "step000000.rank0.safetensors")
+    for ordinal, k in claims:
+        torch.testing.assert_close(dump[f"0@{k}"], seen[ordinals[ordinal] - 1], rtol=0, atol=0)
+    torch.testing.assert_close(dump["0"], seen[0], rtol=0, atol=0)

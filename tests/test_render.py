@@ -146,3 +146,151 @@ def test_sparkline_is_log_scaled_and_marks_gaps_and_nonfinite() -> None:
 
     assert sparkline([1.0, 10.0, 100.0, None, float("nan"), 0.0]) == "▁▅█ !▁"
     assert sparkline([3.0, 3.0]) == "▁▁"
+
+
+# -- `modeltap show DIR`: a recorded run ----------------------------------------------------
+
+
+def _pieces_in_order(name: str, shown: str) -> bool:
+    """Whether `shown` (pieces joined by `…`) could be a shortening of `name`."""
+    pieces = shown.split("…")
+    if not name.startswith(pieces[0]) or not name.endswith(pieces[-1]):
+        return False
+    at = len(pieces[0])
+    for piece in pieces[1:-1]:
+        found = name.find(piece, at)
+        if found < 0:
+            return False
+        at = found + len(piece)
+    return at <= len(name) - len(pieces[-1])
+
+
+class _Lora(torch.nn.Module):
+    """peft's LoRA layout: base_layer, lora_A.default, lora_B.default."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base_layer = torch.nn.Linear(4, 4).requires_grad_(False)
+        self.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(4, 2, bias=False)})
+        self.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(2, 4, bias=False)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
+
+
+class _LoraLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = torch.nn.Module()
+        self.attention.self = torch.nn.Module()
+        self.attention.self.query, self.attention.self.value = _Lora(), _Lora()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention.self.query(x) + self.attention.self.value(x)
+
+
+class _LoraModel(torch.nn.Module):
+    """`base_model.model.encoder.layer.N.attention.self.query.lora_A.default.weight`: names
+    that differ only in the layer index, far from both ends."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.base_model = torch.nn.Module()
+        self.base_model.model = torch.nn.Module()
+        self.base_model.model.encoder = torch.nn.Module()
+        self.base_model.model.encoder.layer = torch.nn.ModuleList(
+            [_LoraLayer() for _ in range(layers)]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.base_model.model.encoder.layer:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _train(model: torch.nn.Module, folder: Path, steps: int, before=None, **options) -> None:
+    import modeltap
+
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    with modeltap.record(model, folder, **options) as rec:
+        for step in range(steps):
+            if before is not None:
+                before(step)
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_show_run_keeps_parameters_of_different_layers_apart(tmp_path, width):
+    from modeltap.record import read_run
+    from modeltap.render import run_table
+
+    torch.manual_seed(0)
+    model = _LoraModel(12)
+    _train(model, tmp_path / "run", 2, every=1)
+    text = render(run_table(read_run(tmp_path / "run"), 0, width=width), width)
+    lines = text.splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= width
+    table = lines[next(i for i, x in enumerate(lines) if x.startswith("parameter")) + 1 :]
+    shown = [line.split()[0] for line in table if line.strip()]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(shown) == len(names) == 48
+    for name, label in zip(names, shown, strict=True):
+        # Each row reads as its own parameter and as no other (`layer.1` is not `layer.10`).
+        assert _pieces_in_order(name, label), (name, label)
+        readers = [
+            n for n in names if _pieces_in_order(n, label) and _whole(n, label)
+        ]
+        assert readers == [name], (label, readers)
+
+
+def _whole(name: str, shown: str) -> bool:
+    """The middle pieces of `shown` are whole dotted names of `name`."""
+    middles = shown.split("…")[1:-1]
+    return all(f".{m}." in f".{name}." for m in middles)
+
+
+def test_fit_apart_tells_names_apart_that_differ_only_in_a_middle_index():
+    from modeltap.render.tables import _fit_apart
+
+    names = [f"model.encoder.block.{i}.layer.0.SelfAttention.q.weight" for i in (1, 10, 11, 2)]
+    shown = _fit_apart(names, 24)
+    assert len(set(shown)) == 4 and all(len(s) <= 24 for s in shown)
+    for name, label in zip(names, shown, strict=True):
+        assert label.endswith("…q.weight") and f"block.{name.split('.')[3]}…" in label
+        assert [n for n in names if _pieces_in_order(n, label) and _whole(n, label)] == [name]
+
+
+def test_show_run_says_that_another_rank_tripped(tmp_path, monkeypatch):
+    """A DDP run whose rank 1 tripped: rank 0's default view says so and how to see it."""
+    from typer.testing import CliRunner
+
+    from modeltap.cli import app
+    from modeltap.record import NonFiniteError, dist
+
+    for rank in (0, 1):
+        monkeypatch.setattr(dist, "rank_info", lambda rank=rank: dist.RankInfo(rank, 2, "gloo"))
+        torch.manual_seed(0)
+        model = _LoraModel(2)
+
+        def poison(step, model=model, rank=rank):
+            value = model.base_model.model.encoder.layer[1].attention.self.value.base_layer
+            value.bias.data[0] = float("nan") if rank == 1 and step == 2 else 0.0
+
+        if rank == 0:
+            _train(model, tmp_path / "run", 4, before=poison, every=1, on_nonfinite="dump")
+            continue
+        with pytest.raises(NonFiniteError):
+            _train(model, tmp_path / "run", 4, before=poison, every=1, on_nonfinite="dump")
+    result = CliRunner().invoke(app, ["show", str(tmp_path / "run")], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "rank 0 of 2" in result.output
+    module = "base_model.model.encoder.layer.1.attention.self.value.base_layer"
+    assert f"rank 1 tripped: step 2 forward, module '{module}'" in result.output
+    assert f"'{module}' (show --rank 1 shows it)" in result.output
+    result = CliRunner().invoke(app, ["show", str(tmp_path / "run"), "--rank", "1"])
+    assert "rank 1 of 2" in result.output and "tripwire: step 2 forward" in result.output
+    assert "rank 0 tripped" not in result.output

@@ -335,6 +335,15 @@ def run_heading(run: RunIndex, rank: int) -> Text:
             + (f"; full dump {trip['file']}" if trip.get("file") else ""),
             style="red",
         )
+    for other, trips in ((r, i.trips) for r, i in run.ranks.items() if r != rank):
+        if not trips:
+            continue
+        first = trips[0]
+        where = f", module '{first['module']}'" if first.get("module") else ""
+        more = f" (and {len(trips) - 1} more)" if len(trips) > 1 else ""
+        text.append(f"\nrank {other} tripped: ", style="bold red")
+        text.append(f"step {first['step']} {first['phase']}{where}{more}", style="red")
+        text.append(f" (show --rank {other} shows it)")
     return text
 
 
@@ -434,7 +443,8 @@ def run_table(run: RunIndex, rank: int, *, width: int = 80) -> Text:
     if param_rows:
         body.append([""])
         # The parameters' own header: their gradient trend, its last value, the update ratio.
-        names_of = {4: "grad norm", 5: "last" if 4 in keep else "grad norm", 6: "update"}
+        grad = "grad norm" if widths[5] >= len("grad norm") else "grad"
+        names_of = {4: "grad norm", 5: "last" if 4 in keep else grad, 6: "update"}
         body.append(
             [Text("parameter", style="bold")]
             + [Text(names_of.get(i, ""), style="bold") for i in keep]
@@ -463,26 +473,96 @@ _FLAGS = {
 
 
 def _fit_apart(labels: list[str], width: int) -> list[str]:
-    """`_fit` each label; labels that then read the same keep the start of their names too
-    (`enc…self.key`, `dec…self.key`), so no two rows look alike."""
+    """`_fit` each label; labels that then read the same are told apart: by the start of their
+    names too (`enc…self.key`, `dec…self.key`) where that fits, else by the dotted names where
+    they part, kept in the middle (`…layer.1…query.lora_A.default.weight`), so that no row can
+    be read as another's."""
     fitted = [_fit(label, width) for label in labels]
     seen: dict[str, list[int]] = {}
     for i, text in enumerate(fitted):
         seen.setdefault(text, []).append(i)
+    names = {_name(label) for label in labels}
     for at in seen.values():
-        if len(at) < 2 or len({labels[i] for i in at}) < 2:
+        if len({labels[i] for i in at}) < 2:
             continue
         for i in at:
             label = labels[i]
-            name_at = len(label) - len(label.lstrip("│├└─ "))
-            name, room = label[name_at:], width - name_at - 1
-            others = [labels[j][name_at:] for j in at if j != i]
-            for head in range(1, max(room, 1)):
-                start, end = name[:head], name[len(name) - (room - head) :]
-                if not any(o.startswith(start) and o.endswith(end) for o in others):
-                    fitted[i] = label[:name_at] + start + "…" + end
-                    break
+            name = _name(label)
+            guides, room = label[: len(label) - len(name)], width - len(label) + len(name)
+            rivals = {_name(labels[j]) for j in at} - {name}
+            shown = _apart(name, rivals, names - {name}, room)
+            if shown is not None:
+                fitted[i] = guides + shown
     return fitted
+
+
+def _name(label: str) -> str:
+    return label.lstrip("│├└─ ")
+
+
+def _apart(name: str, rivals: set[str], others: set[str], room: int) -> str | None:
+    """`name` in `room` characters such that none of `others` reads the same: its start and
+    end, else its end and, in the middle, the dotted names where it parts from its `rivals`
+    (names with the same end); None when neither fits."""
+    for head in range(1, room // 2):  # the end, which tells tensors apart, keeps half
+        start, end = name[:head], name[len(name) - (room - 1 - head) :]
+        if not any(o.startswith(start) and o.endswith(end) for o in others):
+            return start + "…" + end
+    parts = name.split(".")
+    bounds = [0]  # where each dotted name starts
+    for part in parts[:-1]:
+        bounds.append(bounds[-1] + len(part) + 1)
+    # Where the name parts from the rival closest to it: the dotted name there, and the one
+    # before it for context (`layer.1`), widened until no other name reads the same.
+    split = min(max(_common_prefix(name, r) for r in rivals), len(name) - 1)
+    at = max(k for k, b in enumerate(bounds) if b <= split)
+    first, last = max(at - 1, 0), at
+    while True:
+        cut = "…" if first else ""
+        middle = ".".join(parts[first : last + 1])
+        tail = name[bounds[last] + len(parts[last]) :]
+        keep = room - len(cut) - len(middle) - 1
+        if keep >= len(tail):  # the middle reaches the end: one cut, at the start
+            shown = cut + name[bounds[first] :]
+            if len(shown) <= room and not (first and any(o.endswith(shown[1:]) for o in others)):
+                return shown
+        elif keep > 0:
+            raw = tail[len(tail) - keep :]
+            whole = raw[raw.find(".") + 1 :]  # the end from a dotted name's start, if unique
+            for end in (whole, raw) if whole else (raw,):
+                if not any(_reads_as(o, middle, end, cut=bool(first)) for o in others):
+                    return cut + middle + "…" + end
+        else:
+            return None
+        if last < len(parts) - 1 and keep < len(tail):
+            last += 1
+        elif first > 0:
+            first -= 1
+        else:
+            return None
+
+
+def _reads_as(name: str, middle: str, end: str, *, cut: bool) -> bool:
+    """Whether `name` could be shown as `…middle…end` (`middle…end` without `cut`): it ends in
+    `end` and holds `middle` as whole dotted names, something left out between the two."""
+    if not name.endswith(end):
+        return False
+    head, wanted = "." + name[: len(name) - len(end)], "." + middle + "."
+    at = head.find(wanted) if cut else (0 if head.startswith(wanted) else -1)
+    while at >= 0:
+        if head[at + len(wanted) :].strip("."):
+            return True
+        at = head.find(wanted, at + 1) if cut else -1
+    return False
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def run_diff_text(report: RunDiff, *, show_all: bool = False) -> Text:
