@@ -68,6 +68,83 @@ def test_header_outgrowing_its_reservation_is_moved(tmp_path):
     assert not list(tmp_path.glob(".*tmp*"))
 
 
+def _header_sizes(path):
+    """(header bytes as the file declares them, of which JSON: the rest is padding)."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return n, len(raw[8 : 8 + n].rstrip(b" "))
+
+
+def test_oversized_reservation_leaves_no_padding_beyond_the_headers_size(tmp_path):
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    tensors = {f"t{i}": torch.randn(4, 8) for i in range(30)}
+    metadata = {"model": "x" * 50_000}
+    with DumpWriter(tmp_path / "d.safetensors", reserve=16 << 20) as writer:
+        for key, value in tensors.items():
+            writer.tensor(key, value)
+        path = writer.finish(metadata)
+    n, json_bytes = _header_sizes(path)
+    assert n <= 2 * json_bytes, (n, json_bytes)  # was the whole 16 MiB reservation
+    assert path.stat().st_size < 1 << 20
+    with safe_open(str(path), "pt") as f:  # safetensors' own reader
+        assert f.metadata()["model"] == metadata["model"]
+        assert all(torch.equal(f.get_tensor(k), v) for k, v in tensors.items())
+    dump = load_dump(path)
+    assert all(torch.equal(dump[k], v) for k, v in tensors.items())
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_data_much_larger_than_the_padding_stays_where_it_is(tmp_path):
+    # moving 16 MiB of data to give back 1 MiB of padding costs more than it saves
+    big = torch.arange(4 << 20, dtype=torch.float32)
+    with DumpWriter(tmp_path / "d.safetensors", reserve=1 << 20) as writer:
+        writer.tensor("big", big)
+        path = writer.finish({})
+    n, _ = _header_sizes(path)
+    assert n == 1 << 20
+    assert torch.equal(load_file(path)["big"], big)
+
+
+def test_generate_header_grows_with_its_metadata_not_its_reservation(tmp_path):
+    from safetensors import safe_open
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from modeltap.generate import generate_model
+    from modeltap.generate.options import Decoding
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=512, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    model = T5ForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = None  # every one of the steps asked for
+    ids = torch.randint(2, 512, (1, 8))
+    inputs = _inputs(input_ids=ids, attention_mask=torch.ones_like(ids))
+    steps = 40
+    path = tmp_path / "g.safetensors"
+    generate_model(model, inputs, path, decoding=Decoding(max_new_tokens=steps))
+    n, json_bytes = _header_sizes(path)
+    # the reservation counted every module (the encoder's too) in each step, at 1536 bytes:
+    # 6.5 MB of header for 0.84 MB of JSON
+    assert n <= 2 * json_bytes, (n, json_bytes)
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iter
+    assert len(json.loads(meta["generate"])["new_ids"][0]) == steps
+    with torch.no_grad():
+        encoded = model.encoder(input_ids=ids, attention_mask=torch.ones_like(ids))
+    # the encoder's output is stored as its last layer norm's (an alias)
+    encoded = encoded.last_hidden_state
+    torch.testing.assert_close(stored["gen/step0/encoder.final_layer_norm"], encoded)
+    dump = load_dump(path)
+    assert set(dump.stored) == set(stored)
+    torch.testing.assert_close(dump["gen/step0/encoder:last_hidden_state"], encoded)
+    assert any(k.startswith(f"gen/step{steps - 1}/decoder") for k in dump.stats)
+
+
 def test_header_is_padded_and_aligned(tmp_path):
     with DumpWriter(tmp_path / "d.safetensors") as writer:
         writer.tensor("x", torch.arange(6, dtype=torch.int64).reshape(2, 3))

@@ -3,7 +3,9 @@
 Layout: the usual safetensors header (8-byte little-endian length, JSON), then the tensor bytes.
 The writer reserves header space up front, padded with spaces as the format allows, and appends each
 distinct tensor as its module returns, so memory does not grow with the number of captured layers.
-If the final header does not fit the reservation, the data is moved once behind a larger header.
+If the final header does not fit the reservation, or would leave it mostly padding, the data is
+moved once behind a header of its own size (dump/writer.py). Either way the layout is plain
+safetensors (padding is trailing spaces in the JSON), so the format version stays.
 
 Metadata (`__metadata__`, all values strings, JSON where structured): see METADATA_KEYS and README.
 """
@@ -32,6 +34,8 @@ METADATA_KEYS = {
     "model": "model id or path as given",
     "revision": "resolved commit hash of a Hub model, when known",
     "model_class": "class that loaded the model, e.g. BertModel",
+    "missing_weights": "JSON list, with --allow-missing-weights: parameters the checkpoint had no "
+    "weights for (randomly initialised)",
     "inputs": "JSON: texts, or input file name and sha256, and the input tensors' shapes; "
     "with images/audio: processor class, processor_sha256 and each file's name, kind, sha256",
     "dtype": "model dtype",

@@ -1,9 +1,12 @@
 """Writing a dump: a safetensors file streamed as the model runs, atomically.
 
 Layout: the usual safetensors header (8-byte little-endian length, JSON), then the tensor bytes.
-The writer reserves header space up front, padded with spaces as the format allows, and appends each
-distinct tensor as its module returns, so memory does not grow with the number of captured layers.
-If the final header does not fit the reservation, the data is moved once behind a larger header.
+The writer reserves header space up front (a hole in the file: nothing is written there until the
+end), and appends each distinct tensor as its module returns, so memory does not grow with the
+number of captured layers. At the end the header goes into the reservation, padded with spaces as
+the format allows. If it does not fit, or would leave more padding than its own size (a generation
+that stopped early, or whose estimate counted modules that run only in the prefill), the data is
+moved once behind a header of its own size (see `_wasted`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ _THREAD_MIN_BYTES = 1 << 20
 _FINAL_WORKERS = 2
 # Small tensors' bytes are gathered up to this much before one write.
 _STAGE_BYTES = 1 << 20
+# Padding a header may keep beyond its own size before the data is moved behind a fitting one.
+_PADDING_SLACK = 256 << 10
+# ... unless the data to move is more than this many times the padding it would give back.
+_MOVE_PER_PADDING = 8
 
 
 def write_target(path: Path) -> Path:
@@ -225,7 +232,8 @@ class DumpWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(self.path.parent)
         self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in finish() or abort()
-        self._file.write(b"\0" * (8 + self._reserve))
+        # a hole, not written zeros: an unused reservation then costs no writes
+        self._file.truncate(8 + self._reserve)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -439,7 +447,7 @@ class DumpWriter:
         )
         header = json.dumps({"__metadata__": meta, **self._entries}, separators=(",", ":")).encode()
         try:
-            if len(header) <= self._reserve:
+            if len(header) <= self._reserve and not self._wasted(len(header)):
                 self._file.seek(0)
                 self._file.write(struct.pack("<Q", self._reserve) + header.ljust(self._reserve))
                 self._file.close()
@@ -453,8 +461,18 @@ class DumpWriter:
             self._timeline.write("done")
         return self.path
 
+    def _wasted(self, header: int) -> bool:
+        """Whether a `header`-byte header would leave the reservation mostly padding: more than
+        its own size (and than `_PADDING_SLACK`), and moving the data instead costs at most
+        `_MOVE_PER_PADDING` bytes copied per byte of padding given back."""
+        padding = self._reserve - header
+        return padding > max(header, _PADDING_SLACK) and (
+            self._offset <= _MOVE_PER_PADDING * padding
+        )
+
     def _relocate(self, header: bytes) -> None:
-        """The header outgrew its reservation: copy the data behind a bigger one (kernel-side)."""
+        """The header outgrew its reservation, or fills too little of it: copy the data behind
+        one of its own size (kernel-side)."""
         self._file.close()
         padded = header.ljust(_align(len(header)))
         moved = self._tmp.with_name(self._tmp.name + ".2")
