@@ -530,3 +530,62 @@ def test_equal_tensors_skip_the_passes_with_the_same_result(tensor, monkeypatch)
     slow = compare("a", "b", tensor, tensor.clone(), tol)
     assert asdict(fast) == asdict(slow)
     assert fast.ok
+
+
+def test_of_limit_is_each_pairs_margin_to_its_own_rule():
+    """`of_limit`: max |a - b| / (atol + scaled_atol * max|b| + rtol * |b|), computed here; above
+    1 exactly when an element is out of tolerance. `margin` adds the cosine's share."""
+    from modeltap.diff import margin
+
+    torch.manual_seed(0)
+    b = torch.randn(64, 16)
+    a = b + 1e-3 * torch.randn(64, 16)
+    for tol in (Tolerance(1e-8, 1e-5), Tolerance(1e-5, 1e-2, scaled_atol=1e-3), Tolerance(0, 0)):
+        pair = compare("a", "b", a, b, tol)
+        limit = tol.atol + tol.scaled_atol * b.abs().max() + tol.rtol * b.abs()
+        expected = float(((a - b).abs().double() / limit.double()).max())
+        assert pair.of_limit == pytest.approx(expected, rel=1e-5)
+        assert (pair.of_limit > 1) == (not pair.ok)
+    loose = Tolerance(1.0, 0.0, min_cosine=0.9999)
+    pair = compare("a", "b", a, b, loose)
+    x, y = a.flatten().double(), b.flatten().double()
+    cosine = float(x @ y / (x.norm() * y.norm()))
+    assert pair.of_limit < 1 and pair.ok
+    assert margin(pair, loose) == pytest.approx((1 - cosine) / (1 - 0.9999), rel=1e-3)
+    nan = b.clone()
+    nan[0, 0] = float("nan")
+    assert compare("a", "b", b, nan, Tolerance()).of_limit == float("inf")
+
+
+def _run_index(folder, norms: dict[str, float]) -> None:
+    """A run folder of one recorded step whose keys have these norms (absmax alike)."""
+    folder.mkdir()
+    start = {"event": "start", "rank": 0, "world_size": 1, "backend": "none", "every": 1}
+    keys = {k: {"norm": v, "absmax": v} for k, v in norms.items()}
+    step = {"event": "step", "step": 0, "file": "step000000.rank0.safetensors", "full": False,
+            "keys": keys}  # fmt: skip
+    lines = [json.dumps(start), json.dumps(step)]
+    (folder / "index.rank0.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_run_diff_names_the_key_farthest_past_its_own_limit(tmp_path):
+    """A key near zero differs by half of itself, well inside atol; another by 1e-3 of itself,
+    ten times its limit: the step's worst key is the second (it was the first)."""
+    _run_index(tmp_path / "a", {"tiny": 1e-13, "big": 10.01, "same": 3.0})
+    _run_index(tmp_path / "b", {"tiny": 2e-13, "big": 10.0, "same": 3.0})
+    atol, rtol = 1e-8, 1e-5
+
+    def of_limit(a: float, b: float) -> float:
+        return abs(a - b) / (atol + rtol * abs(b))
+
+    assert of_limit(1e-13, 2e-13) < 1 < of_limit(10.01, 10.0)
+    result = runner.invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+    assert result.exit_code == 1, result.output
+    step = json.loads(result.stdout)["steps"][0]
+    assert step["failed"] == ["big"] and step["worst"] == "big"
+    assert step["worst_of_limit"] == pytest.approx(of_limit(10.01, 10.0), rel=1e-9)
+    text = runner.invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b")]).stdout
+    header = next(line for line in text.splitlines() if "step rank" in line)
+    assert "|a-b| / (atol + rtol*|b|)" in header
+    row = next(line for line in text.splitlines() if line.split()[:2] == ["0", "0"])
+    assert row.split()[-1] == "big" and "tiny" not in text

@@ -92,6 +92,9 @@ class Pair:
     aliases: list[str] = field(default_factory=list)
     # max |a - b| / max |b|: the error on the tensor's own scale, comparable across modules
     max_scaled: float | None = None
+    # max over elements of |a - b| / (atol + scaled_atol * max|b| + rtol * |b|): the elementwise
+    # rule's margin, above 1 out of tolerance (inf where a NaN or Inf does not match)
+    of_limit: float | None = None
     # how `other` was found when it is not `key` itself: "mapped" (--map) or "structural" (the
     # same module's output, named parts on one side and positional ones on the other)
     match: str | None = None
@@ -637,6 +640,7 @@ def _metrics(
         xp.add(limit, atol, out=limit)
         out = buf.get(ops, x, "out", ops.boolean)
         pair.out_count = int(xp.count_nonzero(xp.greater(diff, limit, out=out)))
+        pair.of_limit = _of_limit(ops, xp.divide(diff, limit, out=limit), pair.out_count)
         pair.max_abs = float(diff.max())
         pair.max_scaled = pair.max_abs / absmax if absmax else (0.0 if not pair.max_abs else None)
         pair.mean_abs = total / pair.numel
@@ -664,6 +668,11 @@ def _metrics(
         pair.nan_mismatch = int(mismatch.sum())
         usable = xp.isfinite(x) & xp.isfinite(y)
         d, sc = ops.cast(diff[usable], xp.float64), ops.cast(scale[usable], xp.float64)
+        finite_out = int(xp.count_nonzero(d > atol + tol.rtol * sc))
+        if pair.out_count > finite_out:  # a NaN or Inf where the other side has none
+            pair.of_limit = math.inf
+        elif ops.numel(d):
+            pair.of_limit = _of_limit(ops, d / (atol + tol.rtol * sc), pair.out_count)
         if ops.numel(d):
             pair.max_abs = float(d.max())
             pair.mean_abs = float(d.mean())
@@ -672,6 +681,28 @@ def _metrics(
                 rel = d[nonzero] / sc[nonzero]
                 pair.max_rel, pair.mean_rel = float(rel.max()), float(rel.mean())
     pair.atol = atol  # the absolute tolerance in effect, scale-relative term included
+
+
+def _of_limit(ops: _Ops, ratio: Any, out_count: int) -> float:
+    """The largest |a - b| / limit; 0 / 0 (equal where the limit is 0: atol = 0) counts 0."""
+    value = float(ratio.max())
+    if math.isnan(value):
+        value = float(ops.xp.nan_to_num(ratio, nan=0.0, posinf=math.inf).max())
+    return value if value <= 1 or out_count else 1.0  # rounding at the limit: still within
+
+
+def margin(pair: Pair, tolerance: Tolerance) -> float:
+    """How far a pair is from failing, as a share of its own limit: the elementwise rule's
+    (`of_limit`) or the cosine's, (1 - cosine) / (1 - min_cosine), whichever is larger; above 1
+    out of tolerance, inf for a shape or dtype mismatch."""
+    if pair.status in ("shape", "dtype"):
+        return math.inf
+    shares = [pair.of_limit or 0.0]
+    if tolerance.min_cosine is not None and pair.cosine is not None:
+        room = 1.0 - tolerance.min_cosine
+        lost = 1.0 - pair.cosine
+        shares.append(lost / room if room > 0 else (math.inf if lost > 0 else 0.0))
+    return max(shares)
 
 
 def _identical(
@@ -687,7 +718,7 @@ def _identical(
     absmax = max(-low, high)
     pair.atol = tol.atol + tol.scaled_atol * absmax
     pair.out_count, pair.out_fraction = 0, 0.0
-    pair.max_abs = pair.mean_abs = pair.max_scaled = 0.0
+    pair.max_abs = pair.mean_abs = pair.max_scaled = pair.of_limit = 0.0
     if absmax:  # relative error is over positions where b != 0
         pair.max_rel = pair.mean_rel = 0.0
     known = [n for n in norms if n is not None]

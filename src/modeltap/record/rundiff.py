@@ -21,7 +21,7 @@ from modeltap.errors import InputError
 if TYPE_CHECKING:
     from modeltap.diff import Tolerance
 
-SCHEMA = 1
+SCHEMA = 2  # 2: a step's `worst` is the key nearest its limit (`worst_of_limit`)
 _FIELDS = ("norm", "absmax")
 
 
@@ -33,8 +33,11 @@ class StepDiff:
     rank: int
     compared: int  # keys compared
     failed: list[str] = field(default_factory=list)  # keys out of tolerance, in recorded order
-    worst: str | None = None  # the key with the largest relative difference
-    worst_rel: float = 0.0
+    # The key with the largest difference for its own limit, |a - b| / (atol + rtol * |b|) of
+    # its norm and absmax (of its elements, for tensors): above 1 out of tolerance. (Not the
+    # largest relative difference: that is a key near zero, well inside atol.)
+    worst: str | None = None
+    worst_of_limit: float = 0.0
     tensors: bool = False  # compared tensor by tensor (both files full)
 
     @property
@@ -78,14 +81,15 @@ class RunDiff:
         }
 
 
-def _rel(a: float | None, b: float | None) -> float:
-    if a is None or b is None:
-        return 0.0 if a == b else math.inf
-    if math.isnan(a) or math.isnan(b):
-        return 0.0 if math.isnan(a) and math.isnan(b) else math.inf
-    if a == b:
+def _of_limit(a: float | None, b: float | None, atol: float, rtol: float) -> float:
+    """|a - b| / (atol + rtol * |b|): 0 when equal, inf where only one side is missing or not
+    finite (or the limit is 0)."""
+    if a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b)):
         return 0.0
-    return abs(a - b) / abs(b) if b else math.inf
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    limit = atol + rtol * abs(b)
+    return abs(a - b) / limit if limit else math.inf
 
 
 def diff_runs(
@@ -95,7 +99,7 @@ def diff_runs(
     tolerance: Tolerance | None = None,
 ) -> RunDiff:
     """Compare two runs written by `modeltap.record` (see the module docstring)."""
-    from modeltap.diff import Tolerance, diff_dumps
+    from modeltap.diff import Tolerance, diff_dumps, margin
     from modeltap.record.index import read_run
 
     tol = tolerance or Tolerance()
@@ -120,9 +124,9 @@ def diff_runs(
             result = StepDiff(step, rank, len(common))
             for key in common:
                 ea, eb = sa["keys"][key], sb["keys"][key]
-                rel = max(_rel(ea.get(f), eb.get(f)) for f in _FIELDS)
-                if rel > result.worst_rel:
-                    result.worst, result.worst_rel = key, rel
+                share = max(_of_limit(ea.get(f), eb.get(f), tol.atol, tol.rtol) for f in _FIELDS)
+                if share > result.worst_of_limit:
+                    result.worst, result.worst_of_limit = key, share
                 out = any(
                     not _close(ea.get(f), eb.get(f), tol.atol, tol.rtol) for f in _FIELDS
                 ) or bool(ea.get("nonfinite")) != bool(eb.get("nonfinite"))
@@ -138,6 +142,9 @@ def diff_runs(
                     (p.key for p in report.failed), key=lambda k: order.get(k, len(order))
                 )
                 result.failed, result.tensors = failed, True
+                shares = [(margin(p, tol), p.key) for p in report.pairs]
+                share, key = max(shares, default=(0.0, None))
+                result.worst, result.worst_of_limit = (key, share) if share > 0 else (None, 0.0)
             steps.append(result)
     steps.sort(key=lambda s: (s.step, s.rank))
     # The first divergence is the earliest step's, on the lowest rank that diverged there.

@@ -567,7 +567,8 @@ def _common_prefix(a: str, b: str) -> int:
 
 def run_diff_text(report: RunDiff, *, show_all: bool = False) -> Text:
     """Two runs: the verdict, the first (step, rank, key) where they part ways, and per step
-    (those out of tolerance, or all) how many keys differ and the largest relative difference."""
+    (those out of tolerance, or all) how many keys differ and the key nearest its limit (or past
+    it the farthest): |a - b| over atol + rtol * |b|, above 1 out of tolerance."""
     text = Text()
     first = report.first
     verdict, style = ("PASS", "bold green") if report.passed else ("FAIL", "bold red")
@@ -593,10 +594,10 @@ def run_diff_text(report: RunDiff, *, show_all: bool = False) -> Text:
         text.append("\n")
     rows = [s for s in report.steps if show_all or s.failed]
     if rows:
-        header = f"{'step':>8} {'rank':>4} {'differ':>9}  largest rel. difference\n"
+        header = f"{'step':>8} {'rank':>4} {'differ':>9}  worst |a-b| / (atol + rtol*|b|), key\n"
         text.append(header, style="bold")
     for s in rows:
-        worst = f"{fmt(s.worst_rel)} {s.worst}" if s.worst else "0"
+        worst = f"{fmt(s.worst_of_limit)} {s.worst}" if s.worst else "0"
         how = " (tensors)" if s.tensors else ""
         text.append(f"{s.step:>8} {s.rank:>4} {len(s.failed):>4}/{s.compared:<4}  {worst}{how}\n")
     text.rstrip()
