@@ -736,3 +736,55 @@ def test_lazy_warn_names_a_forward_once_not_again_in_its_backward(tmp_path: Path
         (3, "backward", "gate", None),
         (4, "forward", "fc1", None),
     ]
+
+
+class _AmplifyGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor  # type: ignore[attr-defined]
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None  # type: ignore[attr-defined]
+
+
+class AmplifyGrad(nn.Module):
+    """Identity forward; its backward multiplies the gradient by `factor`: 1e7 overflows a
+    float16 gradient of these sizes, not a float32 one."""
+
+    factor = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _AmplifyGrad.apply(x, self.factor)
+
+
+def test_a_float16_backward_overflow_on_an_unrecorded_step_is_named_by_the_rerun(
+    tmp_path: Path,
+) -> None:
+    """fp16 autocast: a gradient that overflows float16 at step 3 (not recorded) is named as the
+    full tripwire names it. The step's backward is run again when it ends, outside the autocast
+    region: the re-run computes in the precision the step's forward ran in (in float32 it was
+    finite, and the trip said the step could not be made again)."""
+    trips = {}
+    for eager in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), AmplifyGrad(), nn.Linear(16, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        with pytest.raises(NonFiniteError) as caught:
+            with modeltap.record(
+                model, tmp_path / f"run{eager}", every=100, eager_tripwire=eager
+            ) as rec:
+                for step in range(5):
+                    model[1].factor = 1e7 if step == 3 else 1.0
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        y = model(batch(step))
+                    y.float().square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    rec.step()
+        trips[eager] = caught.value.trip
+    trip = trips[False]
+    assert (trip.step, trip.phase, trip.module, trip.key) == (3, "backward", "1", "grad/0")
+    assert trip.unreproduced is None
+    assert _trip_fields(trip) == _trip_fields(trips[True])

@@ -14,6 +14,7 @@ written to its own `eval{N:06d}.rank{R}.safetensors` (N: the last training step 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -621,7 +622,10 @@ class Recording:
                 outputs = []
                 for forward in forwards:
                     set_rng_states(forward.rng)
-                    outputs.append(self.model(*forward.args, **forward.kwargs))
+                    with contextlib.ExitStack() as regions:
+                        for device, dtype in forward.autocast:
+                            regions.enter_context(torch.autocast(device, dtype=dtype))
+                        outputs.append(self.model(*forward.args, **forward.kwargs))
                 if starts is not None:
                     tensors = [grad_leaves(outputs[f])[i] for f, i, _ in starts]
                     params = [p for _, p in self._named_params if p.requires_grad]

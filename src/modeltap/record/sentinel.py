@@ -12,7 +12,8 @@ embeddings). Every activation gradient flows down to them. So on a step that is 
   (a loss) received are kept by reference until the step's backward has been checked.
 
 Only when one of these checks finds a non-finite value does the step run again, from the same
-inputs and RNG states, under the full tripwire (every module's output and gradient, `Watch`).
+inputs and RNG states and in the same autocast regions, under the full tripwire (every module's
+output and gradient, `Watch`).
 That run names the producer as a recorded step would. A forward runs once more, and for a
 backward trip its backward too, through `torch.autograd.grad`, which adds nothing to `.grad`.
 
@@ -53,6 +54,9 @@ class Forward:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     rng: dict[str, torch.Tensor]
+    # (device type, dtype) of each autocast region it ran in: the re-run computes in the same
+    # precision (a float16 overflow is no overflow in float32)
+    autocast: list[tuple[str, torch.dtype]] = field(default_factory=list)
     # the autograd nodes of its float outputs that need a gradient (not the tensors: a large
     # output held through the backward would cost its memory)
     nodes: list[Any] = field(default_factory=list)
@@ -71,7 +75,7 @@ class Sentinel:
 
     # -- forward ----------------------------------------------------------------------------
     def begin(self, args: tuple[Any, ...], kwargs: dict[str, Any], rng: Any) -> None:
-        self.forwards.append(Forward(args, dict(kwargs), rng))
+        self.forwards.append(Forward(args, dict(kwargs), rng, autocast_regions()))
 
     def root_output(self, output: Any) -> bool:
         """Check the root's float outputs; True when one is non-finite. Outputs that need a
@@ -145,6 +149,17 @@ class Sentinel:
     def reset(self) -> None:
         self.forwards = []
         self.source_flags = []
+
+
+def autocast_regions() -> list[tuple[str, torch.dtype]]:
+    """(device type, dtype) of each autocast region the caller is in."""
+    import torch
+
+    return [
+        (device, torch.get_autocast_dtype(device))
+        for device in ("cpu", "cuda")
+        if torch.is_autocast_enabled(device)
+    ]
 
 
 def grad_leaves(output: Any) -> list[torch.Tensor]:
