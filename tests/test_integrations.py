@@ -258,10 +258,15 @@ def test_lightning_callback_steps_equal_global_step(tmp_path: Path) -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=4)
     module = Module()
     steps = []
+    grads: dict[int, dict[str, torch.Tensor]] = {}
 
     class Steps(pl.Callback):
         def on_train_batch_end(self, trainer, *a):
             steps.append(trainer.global_step)
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            params = pl_module.named_parameters()
+            grads[trainer.global_step + 1] = {n: p.grad.clone() for n, p in params}
 
     trainer = pl.Trainer(
         max_steps=4,
@@ -287,6 +292,8 @@ def test_lightning_callback_steps_equal_global_step(tmp_path: Path) -> None:
         for k, expected in enumerate(module.train_outputs[step]):
             key = "__root__" if k == 0 else f"__root__@{k}"  # aliases of net.2's output
             torch.testing.assert_close(dump[key], expected, rtol=0, atol=0)
+        for name, grad in grads[step].items():  # what the optimizer step applied
+            torch.testing.assert_close(dump["grad/" + name], grad, rtol=0, atol=0)
 
 
 def _loop(folder: Path, steps: int, **options: object) -> None:
@@ -420,8 +427,10 @@ def test_accelerate_recipe_records_optimizer_steps(tmp_path: Path) -> None:
         for (x,) in loader:
             with accelerator.accumulate(model):
                 accelerator.backward(model(x).square().mean())
-                if accelerator.sync_gradients:
-                    grads_seen[rec.step_index] = model[0].weight.grad.clone()
+                if accelerator.sync_gradients:  # what the optimizer step below applies
+                    grads_seen[rec.step_index] = {
+                        n: p.grad.clone() for n, p in model.named_parameters()
+                    }
                 opt.step()
                 opt.zero_grad()
             if accelerator.sync_gradients:
@@ -430,7 +439,10 @@ def test_accelerate_recipe_records_optimizer_steps(tmp_path: Path) -> None:
     assert [s["step"] for s in index.steps] == [0, 2]  # 8 batches, 2 per step: steps 0..3
     dump = load_dump(tmp_path / "run" / "step000002.rank0.safetensors")
     assert {"0", "0@1"} <= set(dump.order) and "0@2" not in dump.order
-    torch.testing.assert_close(dump["grad/0.weight"], grads_seen[2], rtol=0, atol=0)
+    for step in (0, 2):
+        with safe_open(tmp_path / "run" / f"step{step:06d}.rank0.safetensors", "pt") as f:
+            for name, grad in grads_seen[step].items():
+                torch.testing.assert_close(f.get_tensor("grad/" + name), grad, rtol=0, atol=0)
 
 
 FACTORY = '''
@@ -681,3 +693,227 @@ def test_lightning_trip_when_training_step_calls_a_submodule(tmp_path: Path) -> 
         trainer.fit(Module(), loader)
     trip = caught.value.trip
     assert (trip.step, trip.phase, trip.module) == (3, "forward", "net.1")
+
+
+# the gradient an optimizer step applies (issue 29, item 1), and non-finite gradients that no
+# optimizer step takes (item 4b) ---------------------------------------------------------------
+
+
+def _lightning():  # noqa: ANN202 - the lightning.pytorch module
+    if os.environ.get("CI"):
+        import lightning.pytorch as pl
+    else:
+        pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
+    return pl
+
+
+def _recorded_param_grads(run: Path, step: int) -> dict[str, torch.Tensor]:
+    path = run / f"step{step:06d}.rank0.safetensors"
+    params = json.loads(load_dump(path).metadata["grad"])["params"]
+    with safe_open(path, "pt") as f:
+        return {name: f.get_tensor("grad/" + name) for name in params}
+
+
+def _assert_same_grads(recorded: dict, expected: dict) -> None:
+    assert sorted(recorded) == sorted(expected)
+    for name, grad in expected.items():
+        torch.testing.assert_close(recorded[name], grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("accumulate", "precision", "fast_dev_run"),
+    [(1, "32-true", False), (4, "32-true", False), (1, "bf16-mixed", False),
+     (4, "bf16-mixed", False), (1, "16-mixed", False), (1, "32-true", True)],
+)  # fmt: skip
+def test_lightning_records_the_gradients_the_optimizer_step_applies(
+    tmp_path: Path, accumulate: int, precision: str, fast_dev_run: bool
+) -> None:
+    """Lightning steps its optimizer with `optimizer.step(closure)`, the closure running the last
+    micro-batch's forward and backward: the recorded parameter gradients of global step N are
+    those Lightning's own `on_before_optimizer_step` sees at step N (they had been step N-1's, or
+    those after micro-batch 3 of 4), and the update ratios those of the weights the step changed.
+    "16-mixed" runs in float16 with a GradScaler on the CPU (the precision plugin given
+    explicitly; the flag alone falls back to bfloat16 there): the gradients are the unscaled
+    ones."""
+    pl = _lightning()
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from modeltap.integrations.lightning import ModeltapCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, i):
+            return self(batch[0]).float().square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    weights: dict[int, dict[str, torch.Tensor]] = {}
+
+    class Reference(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            step = trainer.global_step + 1
+            seen[step] = {n: p.grad.clone() for n, p in pl_module.named_parameters()}
+            weights[step] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step in weights and "after" not in weights[trainer.global_step]:
+                after = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+                weights[trainer.global_step]["after"] = after
+
+    torch.manual_seed(1)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(64, 4)), batch_size=4
+    )
+    options: dict = {"fast_dev_run": 3} if fast_dev_run else {"max_steps": 3}
+    if precision == "16-mixed":
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        options["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler)]
+    else:
+        options["precision"] = precision
+    run = tmp_path / "run"
+    trainer = pl.Trainer(
+        accumulate_grad_batches=accumulate, accelerator="cpu", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Reference(), ModeltapCallback(run, every=1, full_every=1)], **options,
+    )  # fmt: skip
+    trainer.fit(Module(), loader)
+    index = read_run(run).ranks[0]
+    assert [s["step"] for s in index.steps] == [1, 2, 3] == sorted(seen)
+    for entry in index.steps:
+        step = entry["step"]
+        _assert_same_grads(_recorded_param_grads(run, step), seen[step])
+        before, after = weights[step], weights[step]["after"]
+        for name, ratio in entry["updates"].items():
+            change = torch.linalg.vector_norm(after[name] - before[name])
+            expected = (change / torch.linalg.vector_norm(before[name])).item()
+            assert ratio == pytest.approx(expected, rel=1e-5), name
+        if accumulate > 1:  # every micro-batch of the step, the last one's backward included
+            order = load_dump(run / f"step{step:06d}.rank0.safetensors").order
+            assert f"grad/net.2@{accumulate - 1}" in order
+
+
+def _closure_loop(folder: Path, kind: str) -> tuple[dict, dict, dict]:
+    """Three steps of a small regression, `kind`: "plain" (`opt.step()` after the backward),
+    "sgd-closure" (`opt.step(closure)`) or "lbfgs" (LBFGS evaluating its closure several times
+    per step). Returns, per step, every closure evaluation's gradients (the loop's own reading
+    just before `opt.step()` for "plain"), and the weights before and after the step."""
+    import modeltap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    if kind == "lbfgs":
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    evaluations: dict[int, list[dict[str, torch.Tensor]]] = {}
+    before: dict[int, dict[str, torch.Tensor]] = {}
+    after: dict[int, dict[str, torch.Tensor]] = {}
+
+    def grads() -> dict[str, torch.Tensor]:
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    with modeltap.record(model, folder, every=1, full_every=1) as rec:
+        for step in range(3):
+            x = torch.randn(6, 4, generator=torch.Generator().manual_seed(step))
+            target = x.sum(dim=1, keepdim=True)
+
+            def closure(step: int = step, x: torch.Tensor = x, target=target) -> torch.Tensor:
+                opt.zero_grad()
+                loss = (model(x) - target).square().mean()
+                loss.backward()
+                evaluations.setdefault(step, []).append(grads())
+                return loss
+
+            before[step] = weights()
+            if kind == "plain":
+                closure()
+                opt.step()
+            else:
+                opt.step(closure)
+            after[step] = weights()
+            rec.step()
+    return evaluations, before, after
+
+
+@pytest.mark.parametrize("kind", ["plain", "sgd-closure", "lbfgs"])
+def test_a_plain_loop_records_the_gradients_its_optimizer_step_uses(
+    tmp_path: Path, kind: str
+) -> None:
+    """Parameter gradients of a step are those the optimizer step takes: read before `step()`
+    without a closure, when the closure returns with one (they exist only then). LBFGS evaluates
+    its closure several times per step, each evaluation at new weights: the recorded gradients
+    are the first evaluation's, at the weights the step starts from (the ones its first
+    direction comes from), and the update ratios are those of the whole step."""
+    evaluations, before, after = _closure_loop(tmp_path / "run", kind)
+    index = read_run(tmp_path / "run").ranks[0]
+    assert [s["step"] for s in index.steps] == [0, 1, 2]
+    for entry in index.steps:
+        step = entry["step"]
+        _assert_same_grads(_recorded_param_grads(tmp_path / "run", step), evaluations[step][0])
+        assert set(entry["updates"]) == set(before[step])
+        for name, ratio in entry["updates"].items():
+            change = torch.linalg.vector_norm(after[step][name] - before[step][name])
+            expected = (change / torch.linalg.vector_norm(before[step][name])).item()
+            assert ratio == pytest.approx(expected, rel=1e-5), name
+        if kind == "lbfgs":  # several evaluations per step, each with other gradients
+            assert len(evaluations[step]) > 1
+            first, last = evaluations[step][0], evaluations[step][-1]
+            assert not torch.equal(first["0.weight"], last["0.weight"])
+
+
+@pytest.mark.parametrize("every", [1, 100])
+def test_grad_scaler_overflow_without_scaler_is_a_skipped_step(
+    tmp_path: Path, every: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """fp16 autocast and a plain GradScaler, not handed to `record`: the overflowing backward of
+    step 2 never reaches the optimizer (the scaler skips `optimizer.step()`), so the step is
+    reported as skipped, on a recorded step (every=1) as on one checked lazily (every=100),
+    instead of raising NonFiniteError. The steps after it train and are recorded as usual."""
+    import logging
+
+    import modeltap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=1000)
+    stepped = []
+    unscaled: dict[int, dict[str, torch.Tensor]] = {}
+    with caplog.at_level(logging.INFO, logger="modeltap.record"):
+        with modeltap.record(model, tmp_path / "run", every=every, full_every=1) as rec:
+            for step in range(5):
+                x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+                with torch.autocast("cpu", dtype=torch.float16):
+                    y = model(x)
+                loss = y.float().square().mean() * (1e6 if step == 2 else 1.0)
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                unscaled[step] = {n: p.grad.clone() for n, p in model.named_parameters()}
+                before = model[0].weight.detach().clone()
+                scaler.step(opt)
+                scaler.update()
+                stepped.append(not torch.equal(before, model[0].weight))
+                opt.zero_grad()
+                rec.step()
+    assert stepped == [True, True, False, True, True]  # the scaler skipped step 2 only
+    assert not torch.isfinite(unscaled[2]["0.weight"]).all()
+    assert rec.trips == [] and rec.skipped == [2]
+    index = read_run(tmp_path / "run").ranks[0]
+    assert index.skipped == [2] and index.trips == []
+    assert "step 2: non-finite gradients" in caplog.text and "scaler=" in caplog.text
+    if every == 1:
+        assert [s.get("skipped", False) for s in index.steps] == [False, False, True, False, False]
+        for step in (0, 1, 3, 4):  # read after scaler.unscale_, as the optimizer takes them
+            _assert_same_grads(_recorded_param_grads(tmp_path / "run", step), unscaled[step])

@@ -738,6 +738,65 @@ def test_lazy_warn_names_a_forward_once_not_again_in_its_backward(tmp_path: Path
     ]
 
 
+# non-finite gradients trip when an optimizer step is about to take them (issue 29, item 4b) --
+
+
+@pytest.mark.parametrize("every", [1, 100])
+def test_a_nan_gradient_that_no_optimizer_takes_is_a_skipped_step(
+    tmp_path: Path, every: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loop that steps no optimizer (backward only): a NaN that gate's backward makes at step 3
+    reaches no weight, so the step is reported as skipped, with a warning naming gate, on a
+    recorded step as on one checked lazily; with an optimizer it trips (the test above)."""
+    torch.manual_seed(0)
+    model = Tiny()
+    with caplog.at_level(logging.WARNING, logger="modeltap.record"):
+        with modeltap.record(model, tmp_path / "run", every=every) as rec:
+            for step in range(5):
+                model.gate.on = step == 3
+                model(batch(step)).square().mean().backward()
+                grads_nan = not all(torch.isfinite(p.grad).all() for p in model.parameters())
+                model.zero_grad()
+                rec.step()
+                assert grads_nan is (step == 3)
+    assert rec.trips == [] and rec.skipped == [3]
+    assert read_run(tmp_path / "run").ranks[0].skipped == [3]
+    assert "step 3: non-finite gradients that no optimizer step took" in caplog.text
+    assert "module 'gate' (PoisonGrad) gradient w.r.t. its input 'grad/fc2'" in caplog.text
+
+
+@pytest.mark.parametrize("every", [1, 100])
+@pytest.mark.parametrize("kind", ["sgd", "lbfgs"])
+def test_a_nan_gradient_trips_when_the_closure_returns(
+    tmp_path: Path, every: int, kind: str
+) -> None:
+    """`optimizer.step(closure)`: the closure's backward makes the NaN, and the trip comes when
+    it returns, before the optimizer applies it (the weights stay finite), naming gate."""
+    torch.manual_seed(0)
+    model = Tiny()
+    if kind == "lbfgs":
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as caught:
+        with modeltap.record(model, tmp_path / "run", every=every) as rec:
+            for step in range(5):
+
+                def closure(step: int = step) -> torch.Tensor:
+                    opt.zero_grad()
+                    loss = model(batch(step)).square().mean()
+                    loss.backward()
+                    return loss
+
+                model.gate.on = step == 3
+                opt.step(closure)
+                rec.step()
+    trip = caught.value.trip
+    assert (trip.step, trip.phase, trip.module, trip.key) == (3, "backward", "gate", "grad/fc2")
+    assert trip.unreproduced is None
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 class _AmplifyGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx: object, x: torch.Tensor, factor: float) -> torch.Tensor:

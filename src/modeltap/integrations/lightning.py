@@ -2,10 +2,13 @@
 
 `pl.Trainer(callbacks=[ModeltapCallback("runs/exp1", every=50)])`. Step N of the recording is
 the Trainer's `global_step` N (optimizer steps, so `accumulate_grad_batches` micro-batches make
-one step, as `name@k` keys). Validation and test forwards run in eval mode under no_grad and are
-never mixed into a step (`eval=True` writes them to their own files). With 16-bit mixed precision
-the precision plugin's GradScaler is used: gradients are recorded unscaled and a step it skips is
-reported as skipped. Works with `lightning` or `pytorch_lightning`, whichever is installed.
+one step, as `name@k` keys). The parameter gradients are those the optimizer step applies:
+Lightning runs the last micro-batch inside `optimizer.step(closure)`, and they are read when that
+closure returns, after `on_before_optimizer_step` and gradient clipping. Validation and test
+forwards run in eval mode under no_grad and are never mixed into a step (`eval=True` writes them
+to their own files). With 16-bit mixed precision the precision plugin's GradScaler is used:
+gradients are recorded unscaled and a step it skips is reported as skipped. Works with
+`lightning` or `pytorch_lightning`, whichever is installed.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ The hooks stay on for the whole `with` block; on a step that is not recorded and
 off they do one attribute check each. A recorded step streams the statistics of every selected
 module's output, of the gradients w.r.t. those outputs (tensor hooks, so the user's own backward
 computes them) and of the parameter gradients (read when an optimizer over the model's parameters
-is about to step, else at `step()`) into `step{N:06d}.rank{R}.safetensors`, the dump format.
+is about to step, or when the closure of `optimizer.step(closure)` returns, else at `step()`)
+into `step{N:06d}.rank{R}.safetensors`, the dump format.
 
 A step holds the training forward and backward only: a forward under `torch.no_grad()` /
 `inference_mode()` or with the model in eval mode is an evaluation, left out, or with `eval=True`
@@ -295,6 +296,9 @@ class Recording:
         self._root_ran = False  # the model's own forward ran for training in this step
         self._optimizer_stepped = False
         self._step_skipped = False
+        # A non-finite backward found, tripped when an optimizer step is about to apply its
+        # gradients (`_gradients_final`): the trip, and what "dump" writes of it (or None).
+        self._pending: tuple[Trip, Callable[[DumpWriter, Recorder], None] | None] | None = None
         self._grad_scale: float | None = None
         # RNG states at each hooked call of this step, for the flight record ("dump" only).
         self._rng: dict[tuple[str, int], dict[str, Any]] = {}
@@ -389,14 +393,27 @@ class Recording:
         return out
 
     def _note_skipped(self) -> None:
-        """A step whose optimizer a GradScaler skipped (inf/NaN in the scaled gradients)."""
-        if self.scaler is None or not _scaler_enabled(self.scaler) or not self._trained:
+        """A step that trained and whose gradients no optimizer step took: one a GradScaler
+        skipped (inf/NaN in the scaled gradients), known from `scaler`, or else one whose
+        gradients were non-finite: a GradScaler not handed to `record` skips those too, and in
+        a loop that steps no optimizer over the model's parameters they reached no weight."""
+        pending, self._pending = self._pending, None
+        if not self._trained or self._optimizer_stepped or self.step_index in self.skipped:
             return
-        if self._optimizer_stepped or self.step_index in self.skipped:
+        if self.scaler is not None and _scaler_enabled(self.scaler):
+            logger.info("step %d: the GradScaler skipped the optimizer step", self.step_index)
+        elif pending is not None:
+            logger.warning(
+                "step %d: non-finite gradients that no optimizer step took (a GradScaler skips "
+                "such a step; hand it to record() as scaler= to have gradients recorded "
+                "unscaled): the step is reported as skipped, not as a trip. %s",
+                self.step_index,
+                pending[0].message(),
+            )
+        else:
             return
         self._step_skipped = True
         self.skipped.append(self.step_index)
-        logger.info("step %d: the GradScaler skipped the optimizer step", self.step_index)
         if self._index is not None:
             self._index.write("skipped", step=self.step_index, rank=self.rank.rank)
 
@@ -591,11 +608,10 @@ class Recording:
         sentinel = self._sentinel
         assert sentinel is not None
         source = sentinel.bad_source()
-        if source is None:
+        if source is None or self._pending is not None:  # (the step's first one is named)
             sentinel.backward_done()
         elif self.scaler is not None and _scaler_enabled(self.scaler):
-            self._step_skipped = True  # what a GradScaler looks for: see _check_backward
-            sentinel.backward_done()
+            sentinel.backward_done()  # what a GradScaler looks for: see _check_backward
         elif any(t.step == self.step_index and t.phase == FORWARD for t in self.trips[-1:]):
             sentinel.backward_done()  # (warn) the NaN of a forward that tripped, named already
         else:
@@ -640,8 +656,12 @@ class Recording:
             if phase == FORWARD:  # their backward is still to come (warn goes on)
                 sentinel.forwards = forwards
             self._lazy = True
-        if len(self.trips) == trips:
-            self._trip(self._unreproduced(phase, seen, backward_kept=starts is not None))
+        if len(self.trips) == trips and (phase == FORWARD or self._pending is None):
+            trip = self._unreproduced(phase, seen, backward_kept=starts is not None)
+            if phase == FORWARD:
+                self._trip(trip)
+            else:
+                self._pending = (trip, None)  # tripped if an optimizer step takes them
 
     def _after_backward(self) -> None:
         self._check_backward()
@@ -683,9 +703,11 @@ class Recording:
             if found is not None and self.scaler is not None and _scaler_enabled(self.scaler):
                 # Inf/NaN gradients are what a GradScaler looks for: it skips the optimizer
                 # step and lowers its scale; `step()` reports the step as skipped.
-                self._step_skipped = True
-            elif found is not None:
-                self._trip(self._backward_trip(*found))
+                pass
+            elif found is not None and self._pending is None:
+                # Tripped when an optimizer step is about to apply them (`_gradients_final`);
+                # a step that none takes (a GradScaler skipped it) is reported as skipped.
+                self._pending = (self._backward_trip(*found), self._held_backward())
         finally:
             if self.on_nonfinite.startswith("dump"):
                 watch.let_go()
@@ -700,22 +722,60 @@ class Recording:
             self._optimizers[id(optimizer)] = known
         return known
 
-    def _before_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._recording or not self._is_ours(optimizer):
-            return
-        self._check_pending()  # a NaN gradient is reported before it reaches the weights
-        self._record_params()
-        if self.params and not self._snapshot:
+    def _before_optimizer(
+        self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """An optimizer over the model's parameters is about to step. Without a closure its
+        gradients are the ones it applies; with one (`optimizer.step(closure)`, as Lightning
+        steps), they exist only once the closure has run its backward: the closure is handed
+        on wrapped, and they are read when it returns."""
+        if not self._is_ours(optimizer):
+            return None
+        if self._recording and self.params and not self._snapshot:
+            # the weights before the step (a closure may not be called first: SAM moves them)
             self._snapshot = {
                 n: dist.local_view(p).detach().clone()
                 for n, p in self._named_params
-                if p.grad is not None
+                if p.requires_grad
             }
+        if self._recording or self._watch is not None:
+            wrapped = _wrap_closure(args, kwargs, self._reading_after)
+            if wrapped is not None:
+                return wrapped
+        self._gradients_final()
+        return None
+
+    def _reading_after(self, closure: Callable[..., Any]) -> Callable[..., Any]:
+        def evaluated(*args: Any, **kwargs: Any) -> Any:
+            loss = closure(*args, **kwargs)
+            self._gradients_final()
+            return loss
+
+        return evaluated
+
+    def _gradients_final(self) -> None:
+        """The gradients an optimizer step is about to apply are all there: non-finite ones
+        trip now (before they reach the weights), and a recorded step reads the parameter
+        gradients. An optimizer that evaluates its closure several times (LBFGS) gets here after
+        each evaluation: every one is checked, the first one's gradients (at the weights the
+        step starts from, where its first direction comes from) are the step's."""
+        self._check_pending()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            trip, fill = pending
+            if fill is not None:
+                trip.file = self._trip_dump(trip, fill)
+            self._trip(trip)
+        self._record_params()
 
     def _after_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._is_ours(optimizer):
-            self._optimizer_stepped = True
-        if not self._snapshot or not self._is_ours(optimizer):
+        if not self._is_ours(optimizer):
+            return
+        self._optimizer_stepped = True
+        # An optimizer that never called the closure it was given: the gradients it stepped
+        # with were there all along (read now, late rather than never).
+        self._gradients_final()
+        if not self._snapshot:
             return
         self._updates = self._update_ratios()
         self._snapshot = {}
@@ -757,7 +817,7 @@ class Recording:
         names, squares = [], []
         for name, p in self._named_params:
             before = self._snapshot.get(name)
-            if before is None:
+            if before is None or p.grad is None:  # a parameter the step did not train
                 continue
             after = dist.local_view(p).detach()
             names.append(name)
@@ -861,7 +921,11 @@ class Recording:
         if hits:
             meta["rules"] = json.dumps([h.to_json() for h in hits])
         if self._step_skipped:
-            meta["skipped_step"] = "GradScaler found inf/NaN gradients and skipped the optimizer"
+            meta["skipped_step"] = (
+                "GradScaler found inf/NaN gradients and skipped the optimizer"
+                if self.scaler is not None
+                else "inf/NaN gradients that no optimizer step took (a GradScaler skipped it)"
+            )
         return meta
 
     def _grad_meta(self, keys: list[str]) -> dict[str, Any]:
@@ -941,7 +1005,6 @@ class Recording:
             params=_nonfinite_params(self._by_name[shape.name]),
             propagated=propagated,
         )
-        trip.file = self._trip_dump(trip, lambda writer, rec: self._dump_backward(writer, rec))
         return trip
 
     def _unreproduced(self, phase: str, seen: str, *, backward_kept: bool) -> Trip:
@@ -1021,12 +1084,25 @@ class Recording:
             if culprit is not None and c.name == culprit.name:
                 recorder.record(c.name, {**dict(enumerate(c.args)), **c.kwargs}, is_input=True)
 
-    def _dump_backward(self, writer: DumpWriter, recorder: Recorder) -> None:
+    def _held_backward(self) -> Callable[[DumpWriter, Recorder], None] | None:
+        """With "dump": what a backward trip's file holds (the forward's outputs, every
+        gradient), taken now, while the watch has them; written if the trip comes."""
         watch = self._watch
-        assert watch is not None
-        self._dump_forward(recorder, None)
-        for slot in sorted(watch.grads, key=lambda s: watch.grad_flags[s][0]):
-            writer.tensor(GRAD_PREFIX + watch.slot_keys[slot], watch.grads[slot], count_zeros=True)
+        if watch is None or not self.on_nonfinite.startswith("dump"):
+            return None
+        calls = list(watch.calls)
+        grads = [
+            (GRAD_PREFIX + watch.slot_keys[slot], watch.grads[slot])
+            for slot in sorted(watch.grads, key=lambda s: watch.grad_flags[s][0])
+        ]
+
+        def fill(writer: DumpWriter, recorder: Recorder) -> None:
+            for c in calls:
+                recorder.record(c.name, c.output)
+            for key, grad in grads:
+                writer.tensor(key, grad, count_zeros=True)
+
+        return fill
 
 
 class _StepSink:
@@ -1073,6 +1149,20 @@ def _output_grad_norm(writer: DumpWriter, module: str) -> float | None:
     for key, stats in writer.stats.items():
         if key == prefix or key.startswith(prefix + ":"):
             return stats.norm
+    return None
+
+
+def _wrap_closure(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """`optimizer.step`'s arguments as a step hook gets them (the optimizer first) with its
+    closure wrapped; None when it has none."""
+    if callable(kwargs.get("closure")):
+        return args, {**kwargs, "closure": wrap(kwargs["closure"])}
+    if len(args) > 1 and callable(args[1]):
+        return (args[0], wrap(args[1]), *args[2:]), kwargs
     return None
 
 
@@ -1144,6 +1234,8 @@ def record(
     of each (None: all) to `eval{N:06d}.rank{R}.safetensors`, N the last step that trained.
     `scaler`: the run's `torch.amp.GradScaler`; gradients are then recorded unscaled, and a step
     it skips for inf/NaN gradients is reported as skipped (index, `show`), not as a trip.
+    Parameter gradients are those an optimizer step over the model's parameters applies: read
+    before it steps, or when its closure returns (LBFGS: the first evaluation's).
     A folder that already holds a run is refused unless `resume=True` (continue after its last
     recorded step, same options) or `overwrite=True` (its files are removed first).
     With `flight=True` (implied by `on_nonfinite="dump"`), a forward trip writes a flight record
@@ -1151,6 +1243,10 @@ def record(
     `keep_last` recorded steps as `trend` metadata; alone it holds nothing more than the tripwire,
     while "dump" keeps every tensor of the step for its full dump.
 
+    Non-finite gradients trip when such an optimizer step is about to apply them (so never
+    reach the weights); a step whose gradients no optimizer step takes (a GradScaler skipped
+    it, known or not; a loop that steps no optimizer) is reported as skipped, with a warning
+    naming where they came from unless `scaler` says why.
     The tripwire checks every module's output and gradient on recorded steps. On the others it
     checks the model's outputs and the gradients of the source modules (those with no input
     needing a gradient), and runs the step again under the full check only when one is
