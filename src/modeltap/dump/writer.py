@@ -232,8 +232,12 @@ class DumpWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(self.path.parent)
         self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in finish() or abort()
-        # a hole, not written zeros: an unused reservation then costs no writes
-        self._file.truncate(8 + self._reserve)
+        try:
+            # a hole, not written zeros: an unused reservation then costs no writes
+            self._file.truncate(8 + self._reserve)
+        except BaseException:
+            self.abort()  # (a full disk): no temporary file left behind
+            raise
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

@@ -42,13 +42,20 @@ def start_recording(
     options: dict[str, Any],
 ) -> Recording:
     """`record(...)` entered for a framework's training: step N is the framework's global_step
-    N (the step ending with the N-th optimizer step), a run resumed from a checkpoint continues
-    the folder's run."""
-    from modeltap.record import record
+    N (the step ending with the N-th optimizer step), always, resumed or not. A run resumed
+    from a checkpoint continues the folder's run when the folder holds one (`resume` option:
+    True by default then; refused when the folder went past the checkpoint, unless
+    resume="truncate"), and starts one in a new or empty folder."""
+    from pathlib import Path
+
+    from modeltap.record import dist, record
+    from modeltap.record.index import run_files
 
     options = dict(options)
-    if global_step > 0:
+    if global_step > 0 and not options.get("overwrite"):
         options.setdefault("resume", True)
+    if options.get("resume") and not run_files(Path(out_dir), dist.rank_info().rank):
+        options["resume"] = False  # nothing of this rank's to continue: a new run, numbered alike
     recording = record(
         model, out_dir, every=every, start_step=global_step + 1, scaler=scaler, **options
     )

@@ -5,6 +5,9 @@ without opening a single step file.
   start     rank, world_size, backend, every, full_every, grads, params, gather, on_nonfinite,
             modules, model_class, start_step
   resume    the same, when `record(..., resume=True)` continued the run
+  truncate  rank, from_step, folder, files: `resume="truncate"` moved the files of steps >=
+            from_step into the subfolder `folder`; the events of those steps before this line
+            no longer count
   step      step, file, full, keys {key: {norm, absmax, dead, nonfinite}}, updates, hits,
             skipped (true when a GradScaler skipped the step's optimizer)
   eval      step, file, keys: an evaluation's forwards (`record(..., eval=True)`)
@@ -15,6 +18,7 @@ A line cut short by a crash is skipped on reading. Under `gather=True` only rank
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -38,6 +42,32 @@ def index_name(rank: int) -> str:
 
 def eval_file_name(step: int, rank: int) -> str:
     return f"eval{step:06d}.rank{rank}.safetensors"
+
+
+_STEP_OF_FILE = re.compile(r"^(step|eval)(?P<step>\d{6})")
+
+
+def file_step(name: str) -> int | None:
+    """The step a step or evaluation file belongs to (`step000004.rank0...`: 4), else None."""
+    match = _STEP_OF_FILE.match(name)
+    return int(match["step"]) if match else None
+
+
+def write_error(exc: OSError, folder: Path, *, step: int | None = None) -> Exception:
+    """What a run's failed write raises: one line naming the fix for a full or read-only disk
+    (an InputError), else the OSError itself."""
+    lost = "" if step is None else f" (step {step} was not kept)"
+    if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return InputError(
+            f"no space left on the device writing the run in '{folder}'{lost}; free some space "
+            "or record into another folder"
+        )
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return InputError(
+            f"the run folder '{folder}' is not writable ({exc.strerror}){lost}; record into a "
+            "folder on a writable disk"
+        )
+    return exc
 
 
 # What a run writes into its folder: indexes, step and evaluation files (NAME.rankR.EXT).
@@ -69,18 +99,44 @@ def summary(stats: TensorStats, *, gradient: bool = False) -> dict[str, Any]:
 
 
 class IndexWriter:
-    """Appends events to one rank's index, flushed line by line."""
+    """Appends events to one rank's index, a whole line at a time: a write that fails (a full
+    disk) is cut back off, so the next line does not join a half one. Errors of a full or
+    read-only disk are one-line InputErrors (`write_error`)."""
 
     def __init__(self, folder: Path, rank: int) -> None:
         self.path = folder / index_name(rank)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.folder = folder
+        try:
+            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o666)
+            end = os.lseek(self._fd, 0, os.SEEK_END)
+            if end and os.pread(self._fd, 1, end - 1) != b"\n":
+                self._append(b"\n")  # a line a crash cut short ends here, alone
+        except OSError as exc:
+            self.close()
+            raise write_error(exc, folder) from None
 
     def write(self, event: str, **fields: Any) -> None:
-        self._file.write(json.dumps({"event": event, **fields}, allow_nan=True) + "\n")
-        self._file.flush()
+        line = json.dumps({"event": event, **fields}, allow_nan=True) + "\n"
+        try:
+            self._append(line.encode())
+        except OSError as exc:
+            raise write_error(exc, self.folder, step=fields.get("step")) from None
+
+    def _append(self, data: bytes) -> None:
+        assert self._fd is not None
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError:
+            os.ftruncate(self._fd, end)
+            raise
 
     def close(self) -> None:
-        self._file.close()
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            os.close(fd)
 
 
 @dataclass
@@ -92,9 +148,22 @@ class RankIndex:
     evals: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
     resumed: list[dict[str, Any]] = field(default_factory=list)
+    truncated: list[dict[str, Any]] = field(default_factory=list)
 
     def step(self, step: int) -> dict[str, Any] | None:
         return next((s for s in self.steps if s["step"] == step), None)
+
+    def last_step(self) -> int | None:
+        """The last step this index has an event of (recorded, evaluated, tripped, skipped)."""
+        steps = [e["step"] for e in (*self.steps, *self.evals, *self.trips)]
+        steps += self.skipped
+        return max(steps, default=None)
+
+    def _drop_from(self, first: int) -> None:
+        self.steps = [s for s in self.steps if s["step"] < first]
+        self.evals = [e for e in self.evals if e["step"] < first]
+        self.trips = [t for t in self.trips if t["step"] < first]
+        self.skipped = [s for s in self.skipped if s < first]
 
 
 @dataclass
@@ -147,6 +216,9 @@ def _read_index(path: Path, rank: int) -> RankIndex:
             index.skipped.append(event["step"])
         elif kind == "tripwire":
             index.trips.append(event)
+        elif kind == "truncate":
+            index._drop_from(event["from_step"])
+            index.truncated.append(event)
     return index
 
 

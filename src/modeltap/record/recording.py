@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -37,6 +38,7 @@ from modeltap.record.index import (
     run_files,
     step_file_name,
     summary,
+    write_error,
 )
 from modeltap.record.rules import (
     ACTIVATION,
@@ -63,10 +65,27 @@ if TYPE_CHECKING:
 logger = logging.getLogger("modeltap.record")
 
 ON_NONFINITE = ("raise", "dump", "warn", "dump-warn", "off")
+# What `resume` takes: continue a run, and "truncate": continue it from a step before its last,
+# the later steps moved aside.
+RESUME = (False, True, "truncate")
 # Header bytes reserved per recorded key (statistics and entry).
 _RESERVE_PER_KEY = 768
 
 RuleFn = Callable[[Observation], "tuple[float, str] | None"]
+
+
+def _writes(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A Recording method that writes the run's files: a failed write ends the step's file
+    (`Recording._write_failed`)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Recording, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except OSError as exc:
+            raise self._write_failed(exc) from None
+
+    return wrapper
 
 
 class Recording:
@@ -89,12 +108,12 @@ class Recording:
         rules: Sequence[RuleFn] | None = None,
         gather: bool = False,
         dead_threshold: float = 0.0,
-        start_step: int = 0,
+        start_step: int | None = None,
         hist: bool = False,
         eval: bool = False,
         eval_batches: int | None = 1,
         scaler: Any = None,
-        resume: bool = False,
+        resume: bool | str = False,
         overwrite: bool = False,
         keep_last: int = 8,
         flight: bool = False,
@@ -110,8 +129,12 @@ class Recording:
             )
         if eval_batches is not None and (not isinstance(eval_batches, int) or eval_batches < 1):
             raise InputError(f"eval_batches must be None or >= 1, got {eval_batches!r}")
+        if resume not in RESUME:
+            raise InputError(f"resume must be True, False or 'truncate', got {resume!r}")
         if resume and overwrite:
-            raise InputError("resume=True and overwrite=True exclude each other; pick one")
+            raise InputError("resume and overwrite=True exclude each other; pick one")
+        if start_step is not None and (not isinstance(start_step, int) or start_step < 0):
+            raise InputError(f"start_step must be None or a step number >= 0, got {start_step!r}")
         if not isinstance(keep_last, int) or keep_last < 0:
             raise InputError(f"keep_last must be a number of steps >= 0, got {keep_last!r}")
         self.out_dir = Path(out_dir)
@@ -139,7 +162,10 @@ class Recording:
         self.hist = hist
         self.hits: list[RuleHit] = []
         self.trips: list[Trip] = []
-        self.step_index = start_step
+        # Given, it is the training's own step number (a framework's global_step): a resumed
+        # run keeps it. Left out, a new run starts at 0 and a resumed one after its last step.
+        self._start_given = start_step is not None
+        self.step_index = start_step or 0
         self.eval = eval
         self.eval_batches = eval_batches
         self.scaler = scaler
@@ -178,7 +204,10 @@ class Recording:
         )
 
         self.rank = dist.rank_info()
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise write_error(exc, self.out_dir) from None
         if not os.access(self.out_dir, os.W_OK):
             raise InputError(f"'{self.out_dir}' is not writable; give record() another folder")
         resumed = self._claim_folder()
@@ -303,6 +332,7 @@ class Recording:
         # RNG states at each hooked call of this step, for the flight record ("dump" only).
         self._rng: dict[tuple[str, int], dict[str, Any]] = {}
 
+    @_writes
     def _begin_step(self) -> None:
         self._reset_step_state()
         self._recording = self.step_index % self.every == 0
@@ -325,6 +355,7 @@ class Recording:
         self._writer = writer
         self._recorder = Recorder(_StepSink(self))
 
+    @_writes
     def _finish_step(self) -> list[RuleHit]:
         writer, recorder = self._writer, self._recorder
         assert writer is not None and recorder is not None
@@ -342,18 +373,22 @@ class Recording:
         assert self._index is not None
         keys = {k: summary(s, gradient=k.startswith(GRAD_PREFIX)) for k, s in writer.stats.items()}
         self._recent.append({"step": self.step_index, "keys": keys})
-        self._index.write(
-            "step",
-            step=self.step_index,
-            rank=self.rank.rank,
-            file=path.name,
-            full=not writer.stats_only,
-            keys=keys,
-            aliases=writer.aliases,
-            updates=self._updates,
-            hits=[h.to_json() for h in hits],
-            **({"skipped": True} if self._step_skipped else {}),
-        )
+        try:
+            self._index.write(
+                "step",
+                step=self.step_index,
+                rank=self.rank.rank,
+                file=path.name,
+                full=not writer.stats_only,
+                keys=keys,
+                aliases=writer.aliases,
+                updates=self._updates,
+                hits=[h.to_json() for h in hits],
+                **({"skipped": True} if self._step_skipped else {}),
+            )
+        except BaseException:
+            path.unlink(missing_ok=True)  # the index lists whole steps only, and only those
+            raise
         return hits
 
     def _structural_once(self, hits: list[RuleHit], writer: DumpWriter) -> list[RuleHit]:
@@ -420,7 +455,11 @@ class Recording:
     # -- the run folder ---------------------------------------------------------------------
     def _claim_folder(self) -> bool:
         """Refuse a folder that holds another run unless resuming or overwriting it; True when
-        this recording continues one."""
+        this recording continues one.
+
+        A step number is the training's own: a run resumed at a step the folder already went
+        past (a checkpoint before its last step) is refused, or with resume="truncate" the
+        folder's steps from there on are moved aside, never renumbered."""
         from modeltap.record.index import read_rank
 
         # Each rank looks at its own files only: under torchrun the others are writing theirs.
@@ -428,7 +467,8 @@ class Recording:
         if not mine and not (self.resume and self.gather and self.rank.rank != 0):
             if self.resume:
                 raise InputError(
-                    f"resume=True but '{self.out_dir}' holds no run to resume; drop resume=True"
+                    f"resume={self.resume!r} but '{self.out_dir}' holds no run to resume; "
+                    "drop resume"
                 )
             return False
         if self.overwrite:
@@ -460,10 +500,73 @@ class Recording:
                 f"resume=True with {k}={self._settings()[k]!r} but the run used {start[k]!r}; "
                 "resume with the same options, or record into another folder"
             )
-        recorded = [s["step"] for s in index.steps]
-        if recorded and self.step_index <= max(recorded):
-            self.step_index = max(recorded) + 1
+        last = index.last_step()
+        if last is not None and not self._start_given:
+            self.step_index = max(self.step_index, last + 1)  # after the run's last step
+        elif last is not None and self.step_index <= last:
+            if self.resume != "truncate":
+                raise InputError(
+                    f"'{self.out_dir}' holds steps up to {last} and this run resumes at step "
+                    f"{self.step_index} (a checkpoint before the folder's last step); pass "
+                    f"resume='truncate' to move steps {self.step_index}-{last} aside into a "
+                    "subfolder, or record into another folder"
+                )
+            if owner == self.rank.rank:  # a gathering rank other than 0 has nothing to move
+                self._truncate(self.step_index)
+        # a later evaluation after the same step takes the next free name, as within one run
+        self._eval_files = {p.name for p in run_files(self.out_dir, self.rank.rank)}
         return True
+
+    def _write_failed(self, exc: OSError) -> Exception:
+        """A write of the run failed: the step's file goes (its temporary file with it; the
+        index lists only whole files), and a full or read-only disk is one line naming the fix."""
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+        if self._eval_writer is not None:
+            self._eval_writer.abort()
+            self._eval_writer = self._eval_recorder = None
+        return write_error(exc, self.out_dir, step=self.step_index)
+
+    def _truncate(self, first: int) -> None:
+        """Move this rank's files of steps >= `first` into a new subfolder and say so in the
+        index (a `truncate` event: readers drop those steps' events from then on)."""
+        from modeltap.record.index import file_step
+
+        aside = self.out_dir / f"truncated-step{first:06d}"
+        k = 1
+        while aside.exists():
+            k += 1
+            aside = self.out_dir / f"truncated-step{first:06d}-{k}"
+        later = [
+            p
+            for p in run_files(self.out_dir, self.rank.rank)
+            if (step := file_step(p.name)) is not None and step >= first
+        ]
+        try:
+            index = IndexWriter(self.out_dir, self.rank.rank)
+            try:
+                index.write(
+                    "truncate",
+                    rank=self.rank.rank,
+                    from_step=first,
+                    folder=aside.name,
+                    files=[p.name for p in later],
+                )
+            finally:
+                index.close()
+            if later:
+                aside.mkdir()
+            for path in later:
+                os.replace(path, aside / path.name)
+        except OSError as exc:
+            raise write_error(exc, self.out_dir) from None
+        logger.info(
+            "%s: steps from %d on moved aside into %s (resume='truncate')",
+            self.out_dir,
+            first,
+            aside.name,
+        )
 
     # -- hooks ------------------------------------------------------------------------------
     def _forward_hook(self, name: str) -> Callable[..., None]:
@@ -494,6 +597,7 @@ class Recording:
         return hook
 
     # -- evaluation forwards ----------------------------------------------------------------
+    @_writes
     def _record_eval(self, name: str, output: Any) -> None:
         if self.gather and self.rank.rank != 0:
             return
@@ -534,6 +638,7 @@ class Recording:
         self._eval_files.add(name)
         return name
 
+    @_writes
     def _finish_eval(self) -> None:
         writer, recorder = self._eval_writer, self._eval_recorder
         self._eval_writer = self._eval_recorder = None
@@ -781,6 +886,7 @@ class Recording:
         self._snapshot = {}
 
     # -- parameters -------------------------------------------------------------------------
+    @_writes
     def _record_params(self) -> None:
         """Parameter gradients, once per recorded step, before the optimizer or zero_grad."""
         if not self._recording or not self.params or self._params_done:
@@ -1041,6 +1147,7 @@ class Recording:
             raise NonFiniteError(trip)
         logger.warning("%s", trip.message())
 
+    @_writes
     def _trip_dump(self, trip: Trip, fill: Callable[[DumpWriter, Recorder], None]) -> str | None:
         """With "dump": the step's full tensors, once per run and phase, as that step's file.
         With only the flight recorder armed (`flight=True`), a forward trip's file holds the
@@ -1115,7 +1222,10 @@ class _StepSink:
         owner = self.owner
         if owner._writer is None:
             return
-        owner._writer.tensor(key, tensor.detach())
+        try:
+            owner._writer.tensor(key, tensor.detach())
+        except OSError as exc:
+            raise owner._write_failed(exc) from None
         if owner.grads and tensor.requires_grad:
             owner._grad_hooked.append(key)
             tensor.register_hook(self._grad_hook(key))
@@ -1137,7 +1247,10 @@ class _StepSink:
                     scale = owner._scale()
                     if scale is not None:
                         grad = grad / scale  # what the optimizer sees once the scaler unscales
-                    owner._writer.tensor(GRAD_PREFIX + key, grad, count_zeros=True)
+                    try:
+                        owner._writer.tensor(GRAD_PREFIX + key, grad, count_zeros=True)
+                    except OSError as exc:
+                        raise owner._write_failed(exc) from None
                     owner._grad_keys[key] = None
 
         return hook
@@ -1206,12 +1319,12 @@ def record(
     rules: Sequence[RuleFn] | None = None,
     gather: bool = False,
     dead_threshold: float = 0.0,
-    start_step: int = 0,
+    start_step: int | None = None,
     hist: bool = False,
     eval: bool = False,
     eval_batches: int | None = 1,
     scaler: Any = None,
-    resume: bool = False,
+    resume: bool | str = False,
     overwrite: bool = False,
     keep_last: int = 8,
     flight: bool = False,
@@ -1219,7 +1332,8 @@ def record(
 ) -> Recording:
     """Record `model` inside a training loop: `with record(model, "runs/x") as rec: ... rec.step()`.
 
-    Steps are numbered from `start_step`; step N is recorded when N % every == 0, with full
+    Steps are numbered from `start_step` (default 0), the training's own step numbers (a
+    framework's global_step); step N is recorded when N % every == 0, with full
     tensors when N % full_every == 0 (or always with stats_only=False). `grads`: gradients w.r.t.
     the selected modules' outputs; `params`: parameter gradients (and update ratios).
     `on_nonfinite`: "raise" (NonFiniteError), "dump" (write the step's full tensors, then raise),
@@ -1236,8 +1350,11 @@ def record(
     it skips for inf/NaN gradients is reported as skipped (index, `show`), not as a trip.
     Parameter gradients are those an optimizer step over the model's parameters applies: read
     before it steps, or when its closure returns (LBFGS: the first evaluation's).
-    A folder that already holds a run is refused unless `resume=True` (continue after its last
-    recorded step, same options) or `overwrite=True` (its files are removed first).
+    A folder that already holds a run is refused unless `resume=True` (continue it, same options:
+    at `start_step`, or without one after its last step) or `overwrite=True` (its files are
+    removed first). A `start_step` at or before the folder's last step (a checkpoint before it)
+    is refused too, unless `resume="truncate"`: that run's files of steps >= start_step are moved
+    into the subfolder `truncated-step{start_step:06d}` and the index says so.
     With `flight=True` (implied by `on_nonfinite="dump"`), a forward trip writes a flight record
     (see `modeltap.record.flight`) that `modeltap replay` re-runs, with the statistics of the last
     `keep_last` recorded steps as `trend` metadata; alone it holds nothing more than the tripwire,

@@ -617,6 +617,7 @@ def run_json(run: RunIndex) -> dict[str, Any]:
             str(r): {
                 "start": i.start,
                 "resumed": i.resumed,
+                "truncated": i.truncated,
                 "steps": i.steps,
                 "evals": i.evals,
                 "skipped": i.skipped,
