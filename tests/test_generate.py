@@ -881,3 +881,261 @@ def test_an_exported_module_takes_each_dtype_in_a_graph_of_its_own() -> None:
         x = torch.randn(3, 5, dtype=dtype)
         torch.testing.assert_close(stand_in(x), torch.nn.functional.gelu(x), rtol=0, atol=0)
     assert len(stand_in.graphs) == 2
+
+
+# what the generation config says: beam search, sampling, length (#29 item 6) ---------------
+
+
+def _beams_reference(model, inputs, n: int):  # noqa: ANN001, ANN202
+    """Plain transformers: `model.generate` with the model's own generation config, its raw
+    logits of every step (every beam's row) and which row chose each returned token."""
+    with torch.no_grad():
+        return model.generate(
+            **inputs.kwargs, max_new_tokens=n, return_dict_in_generate=True, output_logits=True
+        )
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_t5], ids=["llama", "t5"])
+def test_beam_search_from_the_generation_config_is_what_generate_runs(
+    build, tok, tmp_path: Path  # noqa: ANN001
+) -> None:
+    """num_beams: 3 in the generation config: tokens equal `model.generate()`'s (before, modeltap
+    passed num_beams=1 and ran greedy), each step's forward holds every beam (batch x 3 rows, as
+    generate computes them), and each step's token names the row that chose it."""
+    from modeltap.generate import prompt_inputs
+
+    model = build()
+    model.generation_config.num_beams = 3
+    model.generation_config.length_penalty = 0.5
+    prompts = ["hello world the quick", "the"]
+    inputs = prompt_inputs(model, tok, prompts if build is tiny_llama else prompts[:1])
+    n = 5
+    expected = _beams_reference(model, inputs, n)
+    done = generate_model(
+        model, inputs, tmp_path / "g.st", tokenizer=tok, decoding=Decoding(max_new_tokens=n),
+        plan=StepPlan("all"),
+    )  # fmt: skip
+    start = expected.sequences.shape[1] - len(expected.logits)
+    start = 1 if model.config.is_encoder_decoder else inputs.kwargs["input_ids"].shape[1]
+    assert done.new_ids == expected.sequences[:, start:].tolist()
+    greedy = model.generate(**inputs.kwargs, max_new_tokens=n, num_beams=1)
+    assert greedy[:, start:].tolist() != done.new_ids  # beam search chose other tokens
+    dump = load_dump(done.path)
+    gen = generation_meta(dump)
+    assert gen["decoding"]["num_beams"] == 3 and gen["num_beams"] == 3
+    rows = inputs.kwargs["input_ids"].shape[0] * 3
+    assert steps_of(dump) == list(range(len(expected.logits)))
+    for step, logits in enumerate(expected.logits):
+        view = step_view(dump, step)
+        captured = view["__root__:logits"][:, -1]
+        assert captured.shape[0] == rows
+        torch.testing.assert_close(captured, logits, rtol=1e-5, atol=1e-6)
+    for entry in gen["steps"]:
+        step = entry["step"]
+        assert entry["beam"] == expected.beam_indices[:, step].tolist()
+        for row, (token, beam) in enumerate(zip(entry["token"], entry["beam"], strict=True)):
+            assert token == expected.sequences[row, start + step]
+            probs = torch.softmax(expected.logits[step][beam], -1)
+            assert entry["p"][row] == pytest.approx(float(probs[token]), rel=1e-5)
+
+
+def test_cli_honours_the_generation_config_and_num_beams_overrides_it(
+    gpt2_dir: Path, tmp_path: Path
+) -> None:
+    """A checkpoint whose generation_config.json says num_beams: 3 and max_new_tokens: 6:
+    `modeltap generate` gives `model.generate()`'s tokens; --num-beams 1 gives greedy's."""
+    import shutil
+
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    folder = tmp_path / "beams"
+    shutil.copytree(gpt2_dir, folder)
+    model = GPT2LMHeadModel.from_pretrained(folder)
+    model.generation_config.num_beams = 3
+    model.generation_config.max_new_tokens = 6
+    model.generation_config.save_pretrained(folder)
+    model = GPT2LMHeadModel.from_pretrained(folder).eval()
+    ids = AutoTokenizer.from_pretrained(folder)([PROMPT], return_tensors="pt")
+    length = ids["input_ids"].shape[1]
+    with torch.no_grad():
+        expected = model.generate(**ids)[:, length:].tolist()
+        greedy = model.generate(**ids, num_beams=1)[:, length:].tolist()
+    assert len(expected[0]) == 6 and expected != greedy
+    result = runner.invoke(app, ["generate", str(folder), PROMPT, "-o", "b.st"])
+    assert result.exit_code == 0, result.output
+    words = " ".join(result.output.split())
+    assert "beam search (3 beams" in words and "step token p beam runner-up p tensors" in words
+    assert generation_meta(load_dump("b.st"))["new_ids"] == expected
+    one = runner.invoke(app, ["generate", str(folder), PROMPT, "-o", "g.st", "--num-beams", "1"])
+    assert one.exit_code == 0, one.output
+    assert "greedy" in one.output
+    assert generation_meta(load_dump("g.st"))["new_ids"] == greedy
+    # compare --generate forces one sequence per prompt: beam search is refused, not ignored
+    args = ["compare", str(folder), PROMPT, "--generate", "3", "--against", "fp32"]
+    refused = runner.invoke(app, args)
+    assert refused.exit_code == 2, refused.output
+    assert "pass --num-beams 1" in refused.output and "Traceback" not in refused.output
+    forced = runner.invoke(app, [*args, "--num-beams", "1"])
+    assert forced.exit_code == 0, forced.output
+
+
+def test_sampling_and_length_from_the_generation_config_are_what_generate_runs(
+    tok, tmp_path: Path  # noqa: ANN001
+) -> None:
+    """do_sample/top_k/temperature, max_new_tokens and repetition_penalty in the generation
+    config: the tokens are `torch.manual_seed(seed); model.generate()`'s (before: greedy, and 20
+    new tokens)."""
+    model = tiny_gpt2()
+    config = model.generation_config
+    config.do_sample, config.top_k, config.temperature = True, 20, 1.5
+    config.max_new_tokens, config.repetition_penalty = 7, 1.3
+    inputs = _prompt(tok)
+    length = inputs.kwargs["input_ids"].shape[1]
+    done = generate_model(model, inputs, tmp_path / "s.st", decoding=Decoding(seed=5))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        expected = model.generate(**inputs.kwargs)[:, length:].tolist()
+    assert len(expected[0]) == 7 and done.new_ids == expected
+    assert done.meta["decoding"]["do_sample"] is True
+    # a config's max_length (no max_new_tokens) bounds the prompt and the new tokens together
+    config.do_sample, config.max_new_tokens, config.max_length = False, None, length + 4
+    done = generate_model(model, inputs, tmp_path / "l.st")
+    with torch.no_grad():
+        assert done.new_ids == model.generate(**inputs.kwargs)[:, length:].tolist()
+    assert len(done.new_ids[0]) == 4
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive search (penalty_alpha)"),
+        ({"num_beams": 4, "num_beam_groups": 2}, "pass --num-beams 1"),
+        ({"prompt_lookup_num_tokens": 3}, "unset prompt_lookup_num_tokens"),
+        ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences=2"),
+    ],
+    ids=["contrastive", "group-beams", "assisted", "sequences"],
+)
+def test_cli_refuses_generation_config_settings_it_cant_record(
+    gpt2_dir: Path, tmp_path: Path, settings: dict, message: str
+) -> None:
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(gpt2_dir, folder)
+    config = {"bos_token_id": 0, "eos_token_id": 0, **settings}  # as published, unvalidated
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    result = runner.invoke(app, ["generate", str(folder), PROMPT, "-o", "g.st"])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "generation_config.json" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not Path("g.st").exists()
+
+
+# compare --generate: a flip at a near tie is not a defect (#29 item 7) ---------------------
+
+
+def _tied_llamas(tmp_path: Path, tok, reference: float, candidate: float, fault: bool = False):  # noqa: ANN001, ANN202
+    """Two tiny Llamas (same seed) whose LM head row of token b is row a times (1 + delta): with
+    a small delta b's logit lies within |delta * logit_a| of a's wherever a is chosen, and the
+    candidate's delta above zero makes it choose b there (the reference's below keeps a).
+    `fault`: the candidate's second MLP also has one output row 50% off."""
+    folders = []
+    for name, delta in (("reference", reference), ("candidate", candidate)):
+        model = tiny_llama()
+        with torch.no_grad():
+            first = model.generate(**_prompt(tok).kwargs, max_new_tokens=1, do_sample=False)
+            a = int(first[0, -1])
+            b = (a + 1) % model.config.vocab_size
+            model.lm_head.weight[b] = model.lm_head.weight[a] * (1 + delta)
+            if fault and name == "candidate":
+                model.model.layers[1].mlp.down_proj.weight[3] *= 1.5
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+        folders.append(tmp_path / name)
+    return folders, a, b
+
+
+def _logits_at_step0(folder: Path, tok) -> torch.Tensor:  # noqa: ANN001
+    """The prefill's logits at every prompt position (step 0 chooses from the last)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return model(**_prompt(tok).kwargs).logits[0].double()
+
+
+def test_compare_generate_passes_a_flip_at_a_near_tie_with_a_warning(
+    tmp_path: Path, tok  # noqa: ANN001
+) -> None:
+    """Every step within the fp32 preset, and at step 0 the candidate's likeliest token is
+    another than the reference's, the two logits 4e-5 * |logit| apart: within what the preset
+    lets two logits move, so a warning naming the step and the margin, exit 0 (before: FAIL)."""
+    from modeltap.config import read_preset
+
+    (ref, cand), a, b = _tied_llamas(tmp_path, tok, -2e-5, 2e-5)
+    args = ["compare", str(ref), str(cand), PROMPT, "--generate", "4"]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["passed"] and data["steps"]["first_divergence"] is None
+    flip = data["departure"]
+    assert (flip["step"], flip["reference"], flip["candidate"]) == (0, a, b)
+    # independently: the margins from plain forwards, the allowance from the preset's numbers
+    prefill = _logits_at_step0(ref, tok)
+    ref_logits, cand_logits = prefill[-1], _logits_at_step0(cand, tok)[-1]
+    margin = float(ref_logits[a] - ref_logits[b])
+    shift = margin + float(cand_logits[b] - cand_logits[a])
+    preset = read_preset("fp32")
+    scale = float(prefill.abs().max())  # of the step's whole tensor, as the step is judged
+    allowance = sum(
+        preset["atol"] + preset["rtol"] * abs(float(ref_logits[t]))
+        + preset["accumulated_scaled_atol"] * scale
+        for t in (a, b)
+    )  # fmt: skip
+    assert 0 < margin and shift < allowance
+    assert flip["logit_margin"] == pytest.approx(margin, rel=1e-3)
+    assert flip["shift"] == pytest.approx(shift, rel=1e-3)
+    assert flip["allowance"] == pytest.approx(allowance, rel=1e-6)
+    assert flip["within_precision"] and data["ties"] == [{"step": 0, "row": 0}]
+    assert data["attribution"] is None
+    text = runner.invoke(app, args)
+    assert text.exit_code == 0, text.output
+    assert text.output.startswith("PASS")
+    assert f"warning: step 0 is a near tie: the reference's logits part {a} and {b} by" in (
+        " ".join(text.output.split())
+    )
+    assert "origin" not in text.output
+
+
+def test_compare_generate_fails_a_flip_beyond_the_presets_allowance(
+    tmp_path: Path, tok  # noqa: ANN001
+) -> None:
+    """The same flip with the two logits 5% of a logit apart, beyond the preset: FAIL, even
+    though the steps compared (the first block only) are all within tolerance."""
+    (ref, cand), a, b = _tied_llamas(tmp_path, tok, -0.05, 0.05)
+    args = ["compare", str(ref), str(cand), PROMPT, "--generate", "4", "--include"]
+    result = runner.invoke(app, [*args, "model.layers.0", "--json"])
+    assert result.exit_code == 1, result.output
+    data = json.loads(result.stdout)
+    assert data["steps"]["first_divergence"] is None and not data["passed"]
+    flip = data["departure"]
+    ref_logits = _logits_at_step0(ref, tok)[-1]
+    assert flip["logit_margin"] == pytest.approx(float(ref_logits[a] - ref_logits[b]), rel=1e-3)
+    assert flip["shift"] > flip["allowance"] and not flip["within_precision"]
+    assert data["ties"] == [] and data["attributed_step"] == 0
+    text = runner.invoke(app, [*args, "model.layers.0"])
+    assert text.exit_code == 1 and text.output.startswith("FAIL")
+    assert "beyond the" in text.output and "warning" not in text.output
+
+
+def test_compare_generate_still_fails_a_real_fault_next_to_a_near_tie(
+    tmp_path: Path, tok  # noqa: ANN001
+) -> None:
+    """A near tie and a module beyond tolerance: FAIL naming the module (the tie is warned)."""
+    (ref, cand), _, _ = _tied_llamas(tmp_path, tok, -2e-5, 2e-5, fault=True)
+    args = ["compare", str(ref), str(cand), PROMPT, "--generate", "4", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    data = json.loads(result.stdout)
+    assert data["steps"]["first_divergence"]["key"] == "model.layers.1.mlp.down_proj"
+    assert data["origins"][0]["module"] == "model.layers.1.mlp.down_proj"
+    assert data["ties"] == [{"step": 0, "row": 0}]

@@ -100,9 +100,11 @@ class Settings:
     # performance (#12): MiB the dump writer's thread may hold copied but not yet written
     max_inflight_mb: int = 32
 
-    # generate (and compare --generate N): decoding, and which steps keep tensors
-    max_new_tokens: int = 20
-    do_sample: bool = False
+    # generate (and compare --generate N): decoding, and which steps keep tensors; None: what
+    # the model's generation config says (max_new_tokens: its own, else 20)
+    max_new_tokens: int | None = None
+    do_sample: bool | None = None
+    num_beams: int | None = None
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
@@ -152,6 +154,7 @@ _TYPES: dict[str, type] = {
     "max_inflight_mb": int,
     "max_new_tokens": int,
     "do_sample": bool,
+    "num_beams": int,
     "temperature": float,
     "top_k": int,
     "top_p": float,

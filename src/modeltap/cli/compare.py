@@ -37,6 +37,7 @@ from modeltap.cli.options import (
     JsonOpt,
     JunitOpt,
     ModelClassOpt,
+    NumBeamsOpt,
     RevisionOpt,
     TrainModeOpt,
     TrustOpt,
@@ -183,6 +184,7 @@ def compare_command(
         ),
     ] = None,
     do_sample: DoSampleOpt = None,
+    num_beams: NumBeamsOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """Compare a model with a variant (bf16, attn:eager, a checkpoint...): where they part ways,
@@ -214,11 +216,12 @@ def compare_command(
         use_cache=use_cache,
         max_new_tokens=generate,
         do_sample=do_sample,
+        num_beams=num_beams,
     )
     _split_positionals(s, list(rest or []))
     if generate is None:
         refuse(
-            given(do_sample=do_sample),
+            given(do_sample=do_sample, num_beams=num_beams),
             "can't apply without --generate",
             "add --generate N or drop {flags}",
         )

@@ -24,6 +24,7 @@ from modeltap.cli.options import (
     MaxInflightOpt,
     MaxMemoryOpt,
     MaxNewTokensOpt,
+    NumBeamsOpt,
     OffloadFolderOpt,
     ProcessorOpt,
     PromptChatOpt,
@@ -64,6 +65,7 @@ def generate(
     temperature: TemperatureOpt = None,
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
+    num_beams: NumBeamsOpt = None,
     chat: PromptChatOpt = None,
     processor: ProcessorOpt = None,
     depth: DepthOpt = None,
@@ -143,6 +145,7 @@ def generate(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        num_beams=num_beams,
         chat=chat,
         depth=depth,
         include=include or [],
@@ -186,7 +189,9 @@ def step_plan(s: Settings) -> Any:
 def decoding(s: Settings) -> Any:
     from modeltap.generate import Decoding
 
-    d = Decoding(s.max_new_tokens, s.do_sample, s.seed, s.temperature, s.top_k, s.top_p)
+    d = Decoding(
+        s.max_new_tokens, s.do_sample, s.seed, s.temperature, s.top_k, s.top_p, s.num_beams
+    )
     d.check()
     return d
 

@@ -508,7 +508,8 @@ MaxInflightOpt = Annotated[
 MaxNewTokensOpt = Annotated[
     int | None,
     typer.Option(
-        help="New tokens to generate at most (fewer when the model ends with EOS) [default: 20].",
+        help="New tokens to generate at most (fewer when the model ends with EOS) [default: "
+        "the model's generation config, else 20].",
         metavar="N",
         rich_help_panel=RUNNING,
     ),
@@ -518,7 +519,7 @@ DoSampleOpt = Annotated[
     typer.Option(
         "--do-sample/--greedy",
         help="Sample each token (seeded by --seed) instead of taking the likeliest [default: "
-        "greedy].",
+        "the model's generation config, else greedy].",
         rich_help_panel=RUNNING,
     ),
 ]
@@ -541,6 +542,15 @@ TopPOpt = Annotated[
     typer.Option(
         help="Sample among the likeliest tokens holding probability P (with --do-sample).",
         metavar="P",
+        rich_help_panel=RUNNING,
+    ),
+]
+NumBeamsOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Beam search with N beams (1: one sequence per prompt) [default: the model's "
+        "generation config].",
+        metavar="N",
         rich_help_panel=RUNNING,
     ),
 ]

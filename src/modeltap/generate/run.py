@@ -129,24 +129,33 @@ def generate_model(
     `kv`: also store each step's new self-attention K/V positions (`gen/step{k}/cache:{i}.key`).
     `forced`: new token ids (per row) that each step must choose (teacher forcing: another
     model's generation); the steps' probabilities stay this model's own.
+    `decoding`: what the model's generation config says where it leaves a field None, beam
+    search included: each step is then the forward of every beam (batch x num_beams rows, beam j
+    of prompt b in row b * num_beams + j), and the steps' tokens are those of the sequence
+    `generate` returns, each with the row that chose it (`beam`).
     """
     import torch
 
     from modeltap.capture import hooks
     from modeltap.run import _RESERVE_PER_MODULE, environment
 
-    decoding = decoding or Decoding()
-    decoding.check()
     plan = plan or StepPlan()
     selection = selection or Selection()
     check_can_generate(model)
-    modules = select_modules(model, selection)
     ids = inputs.kwargs.get("input_ids")
+    decoding = (decoding or Decoding()).resolve(model, None if ids is None else ids.shape[1])
+    beams = decoding.num_beams or 1
+    if forced is not None and beams > 1:
+        raise InputError(
+            f"teacher forcing keeps one sequence per prompt, and the decoding asks for beam "
+            f"search ({beams} beams); pass --num-beams 1"
+        )
+    modules = select_modules(model, selection)
     if ids is not None:
-        check_prompt_length(model, ids.shape[1], decoding.max_new_tokens)
+        check_prompt_length(model, ids.shape[1], decoding.new_tokens)
     else:  # audio or image features: only an encoder-decoder's decoder has positions to count
-        check_decoder_length(model, decoding.max_new_tokens)
-    reserve = 4096 + _RESERVE_PER_MODULE * len(modules) * (decoding.max_new_tokens + 1)
+        check_decoder_length(model, decoding.new_tokens)
+    reserve = 4096 + _RESERVE_PER_MODULE * len(modules) * (decoding.new_tokens + 1)
     writer = DumpWriter(
         out,
         stats_only=plan.mode == "none",
@@ -167,8 +176,10 @@ def generate_model(
         kwargs["logits_to_keep"] = 0
     if forced is not None:
         kwargs["logits_processor"] = _forcing(forced)
+    if beams > 1:  # the returned sequences' beam indices: which row chose each token
+        kwargs["return_dict_in_generate"] = True
     skipped: dict[str, str] = {}
-    loop = _Loop()
+    loop = _Loop(beams=beams)
     kwargs["stopping_criteria"] = loop.criteria()
     with writer, torch.random.fork_rng(devices=[]):
         torch.manual_seed(decoding.seed)
@@ -179,13 +190,15 @@ def generate_model(
         ):
             try:
                 with torch.no_grad():
-                    model.generate(*inputs.args, **kwargs)
+                    out = model.generate(*inputs.args, **kwargs)
             except (RuntimeError, ValueError, TypeError, IndexError) as exc:
                 raise RunError(
                     f"{type(model).__name__}.generate failed: {first_line(exc)}; check the "
                     "prompt and the decoding options (MODELTAP_DEBUG=1 shows the traceback)"
                 ) from exc
         sink.end()
+        if beams > 1:
+            loop.finish_beams(model, out)
         if not loop.choices.steps:
             raise RunError(
                 f"{type(model).__name__}.generate chose no token through transformers' decoding "
@@ -208,6 +221,7 @@ def generate_model(
             "kv": kv,
             "forced": forced is not None,
             "decoding": {**decoding.generate_kwargs(), "seed": decoding.seed},
+            "num_beams": beams,
             "generation_config": _generation_config(model),
         }
         if plan.mode != "none":
@@ -241,6 +255,9 @@ class _Choices:
     def __init__(self) -> None:
         self.steps: list[dict[str, Any]] = []
         self._probs: torch.Tensor | None = None
+        # beam search: per step, each row's two likeliest tokens and the probabilities each row
+        # gives the tokens of the step's best continuations (the returned tokens are among them)
+        self._beam: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def logits(self, output: Any) -> None:
         import torch
@@ -273,6 +290,40 @@ class _Choices:
             }
         )
 
+    def continuations(self, tokens: torch.Tensor) -> None:
+        """Beam search: the last tokens of the step's best continuations (which of them go on
+        is known only when `generate` returns)."""
+        import torch
+
+        probs, self._probs = self._probs, None
+        if probs is None:
+            return
+        top = torch.topk(probs, 2, dim=-1)
+        tokens = torch.unique(tokens.to(probs.device))
+        self._beam.append(
+            (top.indices.cpu(), top.values.cpu(), tokens.cpu(), probs[:, tokens].cpu())
+        )
+
+    def beam_steps(self, new: torch.Tensor, rows: torch.Tensor) -> None:
+        """Each step's token of each returned sequence (`new`), with the row of the step's
+        forward that chose it (`rows`, -1 past a sequence's end: `token` is then padding)."""
+        for step in range(new.shape[1]):
+            top, top_p, tokens, token_p = self._beam[step]
+            entry: dict[str, Any] = {"step": step, "token": [], "p": [], "second": []}
+            entry.update(p_second=[], beam=[])
+            for token, row in zip(new[:, step].tolist(), rows[:, step].tolist(), strict=True):
+                p = second = p_second = None
+                if row >= 0:
+                    p = float(token_p[row, int((tokens == token).nonzero()[0, 0])])
+                    other = 1 if int(top[row, 0]) == token else 0
+                    second, p_second = int(top[row, other]), float(top_p[row, other])
+                for name, value in zip(
+                    ("token", "p", "second", "p_second", "beam"),
+                    (token, p, second, p_second, row), strict=True,
+                ):  # fmt: skip
+                    entry[name].append(value)
+            self.steps.append(entry)
+
 
 @dataclass
 class _Loop:
@@ -286,6 +337,7 @@ class _Loop:
     the next step."""
 
     choices: _Choices = field(default_factory=_Choices)
+    beams: int = 1
     prepared: bool = False
     chose: bool = False
     # a forward outside the loop is running (the recorder paused)
@@ -306,11 +358,27 @@ class _Loop:
             def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> Any:
                 if loop.start_ids is None:
                     loop.start_ids = input_ids[:, :-1].tolist()
-                loop.choices.chosen(input_ids[:, -1])
+                if loop.beams > 1:  # the step's best continuations, not yet the chosen ones
+                    loop.choices.continuations(input_ids[:, -1])
+                else:
+                    loop.choices.chosen(input_ids[:, -1])
                 loop.chose = True
                 return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
         return StoppingCriteriaList([Chosen()])
+
+    def finish_beams(self, model: nn.Module, output: Any) -> None:
+        """Beam search is over: the returned sequences' tokens step by step, and the decoder
+        prompt they start with."""
+        rows = getattr(output, "beam_indices", None)
+        if rows is None or self.start_ids is None:
+            raise InputError(
+                f"{type(model).__name__}.generate ran beam search without saying which beam "
+                "chose each token, so modeltap can't number its steps; pass --num-beams 1"
+            )
+        start = len(self.start_ids[0])
+        self.start_ids = output.sequences[:, :start].tolist()
+        self.choices.beam_steps(output.sequences[:, start:].cpu(), rows.cpu())
 
 
 @contextmanager
@@ -518,10 +586,17 @@ def _generated(
     eos = _eos_ids(model)
     n = len(new[0])
     ended = bool(eos) and all(any(t in eos for t in row) for row in new)
-    if ended and (n < decoding.max_new_tokens or all(row[-1] in eos for row in new)):
+    limit = decoding.new_tokens
+    if decoding.max_length is not None:  # the decoder prompt counts: Whisper's is 4 tokens
+        if encoder_decoder or prompt is None:
+            start = len((loop.start_ids or [[]])[0])
+        else:
+            start = prompt.shape[1]
+        limit = decoding.max_length - start
+    if ended and (n < limit or all(row[-1] in eos for row in new)):
         stop = "eos"
-    elif n >= decoding.max_new_tokens:
-        stop = "max_new_tokens"
+    elif n >= limit:
+        stop = "max_length" if decoding.max_length is not None else "max_new_tokens"
     else:
         stop = "stopping_criteria"
     texts = (
@@ -537,7 +612,7 @@ def _generated(
     )  # fmt: skip
 
 
-def _decode_each(tokenizer: Any, ids: list[int]) -> list[str] | None:
+def _decode_each(tokenizer: Any, ids: list[int | None]) -> list[str | None] | None:
     if tokenizer is None:
         return None
-    return [tokenizer.decode([i]) for i in ids]
+    return [None if i is None else tokenizer.decode([i]) for i in ids]

@@ -805,13 +805,11 @@ class Recording:
             self._check_forward()  # (its root hook checks it): its forward came first
         try:
             found = watch.find_backward()
-            if found is not None and self.scaler is not None and _scaler_enabled(self.scaler):
-                # Inf/NaN gradients are what a GradScaler looks for: it skips the optimizer
-                # step and lowers its scale; `step()` reports the step as skipped.
-                pass
-            elif found is not None and self._pending is None:
+            scaled = self.scaler is not None and _scaler_enabled(self.scaler)
+            if found is not None and not scaled and self._pending is None:
                 # Tripped when an optimizer step is about to apply them (`_gradients_final`);
-                # a step that none takes (a GradScaler skipped it) is reported as skipped.
+                # a step that none takes is reported as skipped (`_note_skipped`). Inf/NaN
+                # gradients are what a GradScaler looks for: with one known, it skips the step.
                 self._pending = (self._backward_trip(*found), self._held_backward())
         finally:
             if self.on_nonfinite.startswith("dump"):
@@ -1029,7 +1027,7 @@ class Recording:
         if self._step_skipped:
             meta["skipped_step"] = (
                 "GradScaler found inf/NaN gradients and skipped the optimizer"
-                if self.scaler is not None
+                if self.scaler is not None and _scaler_enabled(self.scaler)
                 else "inf/NaN gradients that no optimizer step took (a GradScaler skipped it)"
             )
         return meta

@@ -12,10 +12,17 @@ if TYPE_CHECKING:
     from modeltap.dump import Dump
 
 
-def _token(text: str | None, token: int) -> str:
+def _token(text: str | None, token: int | None) -> str:
     """`340 'quick'`: the id, and the text when a tokenizer gave one (a byte of a longer
     character decodes to '' or '�' alone)."""
+    if token is None:
+        return ""
     return f"{token} {text!r}" if text is not None else str(token)
+
+
+def _p(p: float | None) -> str:
+    """A probability; none past the end of a beam-search sequence (its token is padding)."""
+    return "" if p is None else f"{p:.3g}"
 
 
 def generation_heading(dump: Dump, gen: dict[str, Any]) -> Text:
@@ -43,6 +50,10 @@ def generation_heading(dump: Dump, gen: dict[str, Any]) -> Text:
         if decoding.get("do_sample")
         else "greedy"
     )
+    beams = decoding.get("num_beams") or 1
+    if beams > 1:
+        sampled = f", sampled (seed {decoding.get('seed')})" if decoding.get("do_sample") else ""
+        how = f"beam search ({beams} beams, each step's forward holds them all{sampled})"
     unstored = gen.get("unstored_forwards", 0)
     # Whisper's language detection: a forward before the decoding loop, run but not stored
     outside = (
@@ -75,27 +86,30 @@ def _ranges(steps: list[int]) -> str:
 def generation_table(gen: dict[str, Any], row: int = 0) -> Table:
     """One row per step of batch row `row`: the token it chose, its probability, the runner-up."""
     table = Table(box=None, pad_edge=False, show_edge=False)
-    for name, justify in (
-        ("step", "right"),
-        ("token", "left"),
-        ("p", "right"),
-        ("runner-up", "left"),
-        ("p", "right"),
-        ("tensors", "left"),
-    ):
+    # beam search: the forward's row (beam) that chose the returned sequence's token
+    beams = any("beam" in step for step in gen["steps"])
+    columns = [("step", "right"), ("token", "left"), ("p", "right")]
+    columns += [("beam", "right")] if beams else []
+    columns += [("runner-up", "left"), ("p", "right"), ("tensors", "left")]
+    for name, justify in columns:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     full = set(gen.get("full_steps", []))
     for step in gen["steps"]:
         texts = step.get("text") or [None] * len(step["token"])
         seconds = step.get("second_text") or [None] * len(step["token"])
-        table.add_row(
+        cells = [
             str(step["step"]),
             _token(texts[row], step["token"][row]),
-            f"{step['p'][row]:.3g}",
+            _p(step["p"][row]),
+        ]
+        if beams:
+            cells.append("" if step["beam"][row] < 0 else str(step["beam"][row]))
+        cells += [
             _token(seconds[row], step["second"][row]),
-            f"{step['p_second'][row]:.3g}",
+            _p(step["p_second"][row]),
             "yes" if step["step"] in full else "stats",
-        )
+        ]
+        table.add_row(*cells)
     return table
 
 
@@ -130,8 +144,8 @@ def generation_diff_heading(report: Any) -> Text:
         row = f" (row {split.row})" if split.row else ""
         text.append(f"tokens agree up to step {split.step}{row}; at step {split.step} ")
         text.append(
-            f"A chose {_token(split.text_a, split.token_a)} (p={split.p_a:.3g}), "
-            f"B {_token(split.text_b, split.token_b)} (p={split.p_b:.3g})\n"
+            f"A chose {_token(split.text_a, split.token_a)} (p={_p(split.p_a)}), "
+            f"B {_token(split.text_b, split.token_b)} (p={_p(split.p_b)})\n"
         )
     first = report.first_divergence
     if first is None:
@@ -196,6 +210,22 @@ def compare_generation_heading(result: Any) -> Text:
             f"(p={leaving.p_reference:.3g}), the candidate "
             f"{_token(leaving.candidate_text, leaving.candidate)} (p={leaving.p_candidate:.3g}, "
             f"margin {leaving.margin:.3g} over the reference's token)\n"
+        )
+    for tie in result.ties:
+        row = f" (row {tie.row})" if tie.row else ""
+        text.append(f"warning: step {tie.step}{row} is a near tie", style="yellow")
+        text.append(
+            f": the reference's logits part {tie.reference} and {tie.candidate} by "
+            f"{tie.logit_margin:.3g}, the candidate moved that by {tie.shift:.3g}, within the "
+            f"{tie.allowance:.3g} the preset allows two logits: not a defect\n"
+        )
+    beyond = result.failed_flip
+    if beyond is not None and beyond.shift is not None:
+        row = f" (row {beyond.row})" if beyond.row else ""
+        text.append(
+            f"at step {beyond.step}{row} the flip moved the two tokens' logit difference by "
+            f"{beyond.shift:.3g} (the reference's margin {beyond.logit_margin:.3g}), beyond "
+            f"the {beyond.allowance:.3g} the preset allows two logits\n"
         )
     first = result.steps.first_divergence
     if first is not None:
