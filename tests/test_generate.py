@@ -1139,3 +1139,11 @@ def test_compare_generate_still_fails_a_real_fault_next_to_a_near_tie(
     assert data["steps"]["first_divergence"]["key"] == "model.layers.1.mlp.down_proj"
     assert data["origins"][0]["module"] == "model.layers.1.mlp.down_proj"
     assert data["ties"] == [{"step": 0, "row": 0}]
+
+
+def test_cli_num_beams_below_one_is_one_line(gpt2_dir: Path) -> None:
+    args = ["generate", str(gpt2_dir), PROMPT, "-o", "g.st", "--num-beams", "0"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == "error: --num-beams is 0; give 1 or more"
+    assert not Path("g.st").exists()
