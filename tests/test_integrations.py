@@ -721,12 +721,13 @@ def _assert_same_grads(recorded: dict, expected: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    ("accumulate", "precision", "fast_dev_run"),
-    [(1, "32-true", False), (4, "32-true", False), (1, "bf16-mixed", False),
-     (4, "bf16-mixed", False), (1, "16-mixed", False), (1, "32-true", True)],
+    ("accumulate", "precision", "fast_dev_run", "clip"),
+    [(1, "32-true", False, None), (4, "32-true", False, None), (1, "bf16-mixed", False, None),
+     (4, "bf16-mixed", False, None), (1, "16-mixed", False, None), (1, "32-true", True, None),
+     (4, "32-true", False, 0.01)],
 )  # fmt: skip
 def test_lightning_records_the_gradients_the_optimizer_step_applies(
-    tmp_path: Path, accumulate: int, precision: str, fast_dev_run: bool
+    tmp_path: Path, accumulate: int, precision: str, fast_dev_run: bool, clip: float | None
 ) -> None:
     """Lightning steps its optimizer with `optimizer.step(closure)`, the closure running the last
     micro-batch's forward and backward: the recorded parameter gradients of global step N are
@@ -734,7 +735,8 @@ def test_lightning_records_the_gradients_the_optimizer_step_applies(
     those after micro-batch 3 of 4), and the update ratios those of the weights the step changed.
     "16-mixed" runs in float16 with a GradScaler on the CPU (the precision plugin given
     explicitly; the flag alone falls back to bfloat16 there): the gradients are the unscaled
-    ones."""
+    ones. With `gradient_clip_val` (applied after `on_before_optimizer_step`) they are the
+    clipped ones the SGD step applied, read after it in the module's own `optimizer_step`."""
     pl = _lightning()
     from lightning.pytorch.plugins import MixedPrecision
 
@@ -755,7 +757,13 @@ def test_lightning_records_the_gradients_the_optimizer_step_applies(
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+            optimizer.step(closure=optimizer_closure)
+            # SGD leaves the gradients it applied in .grad
+            applied.append({n: p.grad.clone() for n, p in self.named_parameters()})
+
     seen: dict[int, dict[str, torch.Tensor]] = {}
+    applied: list[dict[str, torch.Tensor]] = []
     weights: dict[int, dict[str, torch.Tensor]] = {}
 
     class Reference(pl.Callback):
@@ -783,14 +791,23 @@ def test_lightning_records_the_gradients_the_optimizer_step_applies(
     trainer = pl.Trainer(
         accumulate_grad_batches=accumulate, accelerator="cpu", logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        gradient_clip_val=clip,
         callbacks=[Reference(), ModeltapCallback(run, every=1, full_every=1)], **options,
     )  # fmt: skip
     trainer.fit(Module(), loader)
     index = read_run(run).ranks[0]
     assert [s["step"] for s in index.steps] == [1, 2, 3] == sorted(seen)
+    assert len(applied) == 3
     for entry in index.steps:
         step = entry["step"]
-        _assert_same_grads(_recorded_param_grads(run, step), seen[step])
+        recorded = _recorded_param_grads(run, step)
+        _assert_same_grads(recorded, applied[step - 1])
+        if clip is None:
+            _assert_same_grads(recorded, seen[step])
+        else:  # clipped after Lightning's hook: a norm of 0.01 from a larger one
+            norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in recorded.values()]))
+            assert norm == pytest.approx(clip, rel=1e-3)
+            assert not torch.equal(recorded["net.0.weight"], seen[step]["net.0.weight"])
         before, after = weights[step], weights[step]["after"]
         for name, ratio in entry["updates"].items():
             change = torch.linalg.vector_norm(after[name] - before[name])
