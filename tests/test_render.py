@@ -241,9 +241,7 @@ def test_show_run_keeps_parameters_of_different_layers_apart(tmp_path, width):
     for name, label in zip(names, shown, strict=True):
         # Each row reads as its own parameter and as no other (`layer.1` is not `layer.10`).
         assert _pieces_in_order(name, label), (name, label)
-        readers = [
-            n for n in names if _pieces_in_order(n, label) and _whole(n, label)
-        ]
+        readers = [n for n in names if _pieces_in_order(n, label) and _whole(n, label)]
         assert readers == [name], (label, readers)
 
 

@@ -202,24 +202,30 @@ def test_diff_page_strip_shows_each_pairs_error_and_the_first_divergence(chromiu
     def tensor(side: dict, dump_key: str) -> torch.Tensor:
         return side[stored.resolve(dump_key)].double()
 
-    expected, first = [], None
+    expected, margins, first = [], [], None
     for pair in pairs:
         x, y = tensor(a, pair["key"]), tensor(b, pair["other"])
         error = float((x - y).abs().max() / y.abs().max())
         expected.append(error if error > 0 else None)
+        share = float(((x - y).abs() / (1e-8 + 1e-5 * y.abs())).max())
+        margins.append(share if share > 0 else None)
         if first is None and bool(((x - y).abs() > 1e-8 + 1e-5 * y.abs()).any()):
             first = pair["key"]
     assert first == "fc2"
     page = OpenPage(chromium, tmp_path / "diff.html")
     try:
         assert page.errors == []
+        # the strip: each pair's largest difference over its allowed one, the rule's line at 1
         strip = page.charts()["diff-strip"]
-        scaled = strip[0]["y"]
-        assert [v is None for v in scaled] == [v is None for v in expected]
-        assert scaled == [None if v is None else pytest.approx(v, rel=1e-6) for v in expected]
+        drawn = strip[0]["y"]
+        assert [v is None for v in drawn] == [v is None for v in margins]
+        assert drawn == [None if v is None else pytest.approx(v, rel=1e-5) for v in margins]
+        assert all((v or 0) > 1 for v, p in zip(drawn, pairs, strict=True) if p["status"] != "ok")
         notes = page.page.evaluate("document.getElementById('diff-strip').layout.annotations")
         assert f"first divergence: {first}" in [n["text"] for n in notes]
-        assert "rtol = 1e-05" in [n["text"] for n in notes]
+        assert "limit: |a−b| ≤ 1e-08 + 1e-05·|b|" in [n["text"] for n in notes]
+        scaled = page.charts()["diff-errors"][0]["y"]
+        assert scaled == [None if v is None else pytest.approx(v, rel=1e-6) for v in expected]
         at = [p["key"] for p in pairs].index(first)
         # hover carries both sides' statistics
         hover = strip[0]["hovertext"][at]
@@ -491,3 +497,220 @@ def test_report_of_a_bf16_pair_reads_the_preset_as_diff_does(tmp_path, bert_dir)
     compared = len(json.loads(pairs.stdout)["pairs"])
     # compared as values, as diff does: no pair out of tolerance (as another dtype, all were)
     assert f"<dd>{compared} pairs, 0 out of tolerance" in page
+
+
+# --- what the pages say, read from the page's embedded figures and summary -----------------------
+
+
+def _figures(path: Path) -> dict[str, Any]:
+    """The page's figures, as embedded (the JSON plotly draws from)."""
+    tag = '<script type="application/json" id="modeltap-figures">'
+    text = path.read_text(encoding="utf-8").split(tag)[1].split("</script>")[0]
+    return json.loads(text.replace("<\\/", "</"))
+
+
+def _variants(path: Path) -> dict[str, Any]:
+    tag = '<script type="application/json" id="modeltap-variants">'
+    text = path.read_text(encoding="utf-8").split(tag)[1].split("</script>")[0]
+    return json.loads(text.replace("<\\/", "</"))
+
+
+def _summary(path: Path) -> dict[str, str]:
+    """The page's summary: {label: value}."""
+    import html
+    import re
+
+    pairs = re.findall(r"<dt>(.*?)</dt><dd>(.*?)</dd>", path.read_text(encoding="utf-8"))
+    return {html.unescape(k): html.unescape(v) for k, v in pairs}
+
+
+def _table(path: Path, title: str) -> list[list[str]]:
+    """The cells of the plain table under the heading `title`."""
+    import html
+    import re
+
+    page = path.read_text(encoding="utf-8")
+    part = page.split(f">{title}</h2>")[1].split("</section>")[0]
+    body = part.split("<tbody>")[1].split("</tbody>")[0]
+    return [
+        [html.unescape(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row)]
+        for row in re.findall(r"<tr[^>]*>(.*?)</tr>", body, re.S)
+    ]
+
+
+def test_diff_page_says_the_inputs_differ_and_which_setting(tmp_path) -> None:
+    """Two dumps of one image through processors that differ in `resample` only: the page, like
+    the text report, says the inputs differ (not that the first module diverged on its own)
+    and names the setting, not a JSON blob."""
+    from transformers import ViTImageProcessor
+
+    from tests.fixtures.media import build_vit, write_image
+
+    folder = tmp_path / "vit"
+    build_vit(folder)
+    before = ViTImageProcessor.from_pretrained(folder).resample
+    image = write_image(tmp_path / "cat.png", 40, 30, seed=1)
+    vit = ["--model-class", "ViTForImageClassification"]
+    assert invoke("dump", folder, image, *vit, "-o", "before.st").exit_code == 0
+    ViTImageProcessor(size={"height": 16, "width": 16}, resample=before + 1).save_pretrained(folder)
+    assert invoke("dump", folder, image, *vit, "-o", "after.st").exit_code == 0
+    changed = f"resample {before + 1} vs {before}"
+    text = invoke("diff", "after.st", "before.st")
+    assert text.exit_code == 1 and f"warning: inputs differs: {changed}\n" in text.stdout
+    result = invoke("diff", "after.st", "before.st", "--html", "d.html", "--json")
+    assert result.exit_code == 1
+    report = json.loads(result.stdout)
+    assert report["inputs_differ"] == ["inputs/pixel_values"]
+    assert result.stderr.strip() == "wrote d.html"
+    summary = _summary(tmp_path / "d.html")
+    assert summary["verdict"] == "FAIL: inputs differ"
+    assert summary["inputs differ"].startswith("inputs/pixel_values: the preprocessing changed")
+    assert summary["first divergence"].endswith("(downstream of the differing inputs)")
+    assert summary["inputs differs"] == changed
+    assert _table(tmp_path / "d.html", "Metadata differences") == [["inputs", changed, "warning"]]
+    strip = _figures(tmp_path / "d.html")["diff-strip"]
+    notes = [n["text"] for n in strip["layout"]["annotations"]]
+    assert "inputs differ: inputs/pixel_values" in notes
+
+
+def _preset(name: str) -> dict[str, float]:
+    from modeltap.config import tomllib
+
+    text = (Path(modeltap.__file__).parent / "tolerances.toml").read_text()
+    return tomllib.loads(text)[name]
+
+
+def test_bf16_diff_page_draws_each_pairs_margin_to_its_whole_rule(tmp_path, bert_dir) -> None:
+    """bf16 against float32 under the bf16 preset, a PASS: every pair's point sits below the
+    line at 1, each computed here as max |a - b| / (atol + scaled_atol max|b| + rtol |b|) from
+    the stored tensors; the rule drawn names every part of the preset; cosines carry the digits
+    that tell 0.9999 from 0.999."""
+    from safetensors.torch import load_file
+
+    assert invoke("dump", bert_dir, "hello", "-o", "f32.st").exit_code == 0
+    assert invoke("dump", bert_dir, "hello", "--dtype", "bfloat16", "-o", "b16.st").exit_code == 0
+    result = invoke("diff", "b16.st", "f32.st", "--preset", "bf16", "--html", "d.html", "--json")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.strip() == "wrote d.html"
+    pairs = json.loads(result.stdout)["pairs"]
+    p = _preset("bf16")
+    a, b = load_file(tmp_path / "b16.st"), load_file(tmp_path / "f32.st")
+    stored_a, stored_b = load_dump(tmp_path / "b16.st"), load_dump(tmp_path / "f32.st")
+    expected, cosines = [], []
+    for pair in pairs:
+        x = a[stored_a.resolve(pair["key"])].double()
+        y = b[stored_b.resolve(pair["other"])].double()
+        limit = p["atol"] + p["scaled_atol"] * y.abs().max() + p["rtol"] * y.abs()
+        expected.append(float(((x - y).abs() / limit).max()))
+        cosines.append(float((x.flatten() @ y.flatten()) / (x.norm() * y.norm())))
+    strip = _figures(tmp_path / "d.html")["diff-strip"]
+    elementwise, cosine = strip["data"][0], strip["data"][1]
+    drawn = elementwise["y"]
+    for got, want in zip(drawn, expected, strict=True):
+        assert (got is None) == (want == 0)
+        assert got is None or got == pytest.approx(want, rel=1e-4)
+    assert max(expected) < 1 and not any(t["name"] == "out of tolerance" for t in strip["data"])
+    room = 1 - p["min_cosine"]
+    for got, want in zip(cosine["y"], cosines, strict=True):
+        assert got == pytest.approx((1 - want) / room, rel=2e-2, abs=1e-6)
+    line = [s for s in strip["layout"]["shapes"] if s["yref"] == "y"]
+    assert [(s["y0"], s["y1"]) for s in line] == [(1, 1)]
+    rule = next(n["text"] for n in strip["layout"]["annotations"] if n["text"].startswith("limit"))
+    for part in (f"{p['atol']:g}", f"{p['scaled_atol']:g}·max|b|", f"{p['rtol']:g}·|b|",
+                 f"cosine ≥ {p['min_cosine']:g}"):  # fmt: skip
+        assert part in rule, (part, rule)
+    rows = _table(tmp_path / "d.html", "Pairs")
+    for row, want in zip(rows, cosines, strict=True):
+        shown = float(row[7])  # enough digits for 1 - cosine to three figures
+        assert 1 - shown == pytest.approx(1 - want, rel=2e-2, abs=1e-9), (row[7], want)
+
+
+def test_dump_page_axes_name_the_modules(bert_dir, tmp_path) -> None:
+    """A BERT dump's x axes are labelled where each block (encoder.layer.N) and each module
+    between blocks begins, at that key's index; the histogram heatmap's rows likewise."""
+    assert invoke("dump", bert_dir, "hello world", "--hist", "-o", "b.st").exit_code == 0
+    assert invoke("report", "b.st", "-o", "b.html").exit_code == 0
+    keys = load_dump(tmp_path / "b.st").keys()
+    layers = sorted({int(k.split(".")[2]) for k in keys if k.startswith("encoder.layer.")})
+    assert len(layers) >= 2 and len(keys) > 24
+    figures = _figures(tmp_path / "b.html")
+    axis = figures["act-norm"]["layout"]["xaxis"]
+    ticks = dict(zip(axis["ticktext"], axis["tickvals"], strict=True))
+    for layer in layers:
+        first = next(i for i, k in enumerate(keys) if k.startswith(f"encoder.layer.{layer}."))
+        assert ticks[f"encoder.layer.{layer}"] == first
+    assert ticks["embeddings"] == 0 and "pooler" in ticks
+    rows = figures["hist-all"]["layout"]["yaxis"]
+    assert rows.get("showticklabels", True) and "encoder.layer.0" in rows["ticktext"]
+    assert rows["tickvals"][rows["ticktext"].index("encoder.layer.0")].startswith("encoder.layer.0")
+
+
+def test_run_page_axes_fit_a_four_step_run_and_label_colours(tmp_path) -> None:
+    """Steps 0, 50, 100, 150, norms within one decade: the step axis spans the recorded steps
+    (each ticked), the colour bar has several ticks inside the data, labelled as the norms
+    they stand for, and log axes label minor ticks in full."""
+    import math
+
+    from modeltap.record.index import RankIndex, RunIndex
+    from modeltap.render.report import run_page
+
+    steps = []
+    for n, step in enumerate((0, 50, 100, 150)):
+        keys = {f"layer.{i}": {"norm": 2.0 + i + n, "absmax": 1.0} for i in range(3)}
+        steps.append({"step": step, "keys": keys, "updates": {"w": 1e-3 * (n + 1)}})
+    page = run_page(RunIndex(tmp_path, {0: RankIndex(0, {"every": 50}, steps)}))
+    heat = page.figures["run-norm-out"]
+    axis = heat["layout"]["xaxis"]
+    assert axis["range"] == [-25, 175] and axis["tickvals"] == [0, 50, 100, 150]
+    bar = heat["data"][0]["colorbar"]
+    low, high = math.log10(2.0), math.log10(2.0 + 2 + 3)
+    assert len(bar["tickvals"]) >= 3
+    assert all(low - 1e-9 <= t <= high + 1e-9 for t in bar["tickvals"])
+    assert [float(t) for t in bar["ticktext"]] == pytest.approx([10**t for t in bar["tickvals"]])
+    updates = page.figures["run-updates"]["layout"]
+    assert updates["xaxis"]["range"] == [0, 150]
+    assert updates["yaxis"]["type"] == "log" and updates["yaxis"]["minorloglabels"] == "complete"
+
+
+def test_report_of_a_generate_dump_shows_every_step_and_its_tokens(gpt2_dir, tmp_path) -> None:
+    """8 new tokens, tensors of steps 0 and 7 only: the page offers all 8 steps' statistics
+    and a token table whose tokens are what transformers' greedy generate() chose."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result = invoke("generate", gpt2_dir, "hello world", "--max-new-tokens", "8", "-o", "g.st")
+    assert result.exit_code == 0, result.output
+    assert invoke("report", "g.st", "-o", "g.html").stderr.strip() == "wrote g.html"
+    model = AutoModelForCausalLM.from_pretrained(gpt2_dir).eval()
+    ids = AutoTokenizer.from_pretrained(gpt2_dir)("hello world", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    new = out[0, ids["input_ids"].shape[1] :].tolist()
+    rows = _table(tmp_path / "g.html", "Tokens")
+    assert [int(r[0]) for r in rows] == list(range(8))
+    assert [int(r[2]) for r in rows] == new
+    assert [r[8] for r in rows] == ["tensors"] + ["statistics"] * 6 + ["tensors"]
+    steps = _variants(tmp_path / "g.html")["gen-step"]
+    assert sorted(steps, key=int) == [str(s) for s in range(8)]
+    stats = load_dump(tmp_path / "g.st").stats
+    norm = steps["3"]["gen-norm"]["data"][0]["y"]
+    step3 = [k.removeprefix("gen/step3/") for k in stats if k.startswith("gen/step3/")]
+    assert norm[0] == pytest.approx(stats[f"gen/step3/{step3[0]}"].norm, rel=1e-6)
+
+
+def test_report_reads_a_compare_generate_json(gpt2_dir, tmp_path) -> None:
+    result = invoke("compare", gpt2_dir, "hello world", "--against", "fp32", "--generate", "4",
+                    "--json")  # fmt: skip
+    assert result.exit_code in (0, 1), result.output
+    (tmp_path / "cg.json").write_text(result.stdout)
+    made = invoke("report", "cg.json", "-o", "cg.html")
+    assert made.exit_code == 0, made.output
+    assert made.stderr.strip() == "wrote cg.html"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gpt2_dir).eval()
+    ids = AutoTokenizer.from_pretrained(gpt2_dir)("hello world", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    rows = _table(tmp_path / "cg.html", "Steps and tokens")
+    assert [int(r[2]) for r in rows] == out[0, ids["input_ids"].shape[1] :].tolist()
+    assert _summary(tmp_path / "cg.html")["verdict"] in ("PASS", "FAIL")

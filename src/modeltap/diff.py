@@ -113,6 +113,13 @@ class MetaChange:
     a: str | None
     b: str | None
     level: str
+    # For a JSON field (`inputs`, `selection`): which of its settings differ, e.g.
+    # `resample 2 vs 3`; empty for a plain value
+    detail: str = ""
+
+    def describe(self) -> str:
+        """`what differs: A vs B`, by setting where the field is JSON."""
+        return self.detail or f"{self.a} vs {self.b}"
 
 
 @dataclass
@@ -299,8 +306,61 @@ def _meta_changes(a: Dump, b: Dump) -> list[MetaChange]:
     for key, level in _META_LEVELS.items():
         va, vb = a.metadata.get(key), b.metadata.get(key)
         if va != vb:
-            changes.append(MetaChange(key, va, vb, level))
+            changes.append(MetaChange(key, va, vb, level, _settings_changed(va, vb)))
     return changes
+
+
+_ABSENT = object()
+
+
+def _settings_changed(a: str | None, b: str | None, shown: int = 4) -> str:
+    """Which settings of two JSON objects differ (nested ones dotted), `name A vs B` each; a
+    processor's own settings speak for its hash. Empty when either is not a JSON object."""
+
+    def flat(text: str | None) -> dict[str, Any] | None:
+        try:
+            value = json.loads(text) if text else None
+        except ValueError:
+            return None
+        if not isinstance(value, dict):
+            return None
+        out: dict[str, Any] = {}
+
+        def walk(item: Any, path: str) -> None:
+            if isinstance(item, dict) and item:
+                for key, inner in item.items():
+                    walk(inner, f"{path}.{key}" if path else str(key))
+            else:
+                out[path] = item
+
+        walk(value, "")
+        return out
+
+    fa, fb = flat(a), flat(b)
+    if fa is None or fb is None:
+        return ""
+    names = list(dict.fromkeys([*fa, *fb]))
+    changed = [n for n in names if fa.get(n, _ABSENT) != fb.get(n, _ABSENT)]
+    settings = "processor_settings."
+    if any(n.startswith(settings) for n in changed):
+        changed = [n for n in changed if n != "processor_sha256"]
+    elif "processor_sha256" in changed:
+        changed.remove("processor_sha256")
+        changed.insert(0, "processor settings (their sha256; this dump keeps no settings)")
+
+    def value(side: dict[str, Any], name: str) -> str:
+        item = side.get(name, _ABSENT)
+        text = "absent" if item is _ABSENT else json.dumps(item)
+        return text if len(text) <= 40 else text[:39] + "…"
+
+    parts = [
+        n if n not in fa and n not in fb else f"{n.removeprefix(settings)} "
+        f"{value(fa, n)} vs {value(fb, n)}"
+        for n in changed[:shown]
+    ]
+    if len(changed) > shown:
+        parts.append(f"{len(changed) - shown} more")
+    return "; ".join(parts)
 
 
 def diff_dumps(

@@ -35,10 +35,12 @@ def invocation(command: str, args: list[str]) -> str:
 
 
 def write_html(path: Path, page: Any) -> None:
-    """Render and write a page atomically (a failure leaves nothing at `path`)."""
+    """Render and write a page atomically (a failure leaves nothing at `path`), and say so on
+    stderr (stdout may hold --json)."""
     from modeltap.render.report import render, write_page
 
     write_page(path, render(page))
+    stderr().print(f"wrote {path}", highlight=False, soft_wrap=True)
 
 
 def check_html_target(path: Path, option: str = "--html") -> None:
@@ -116,17 +118,19 @@ def report_command(
         page = run_page(read_run(first), command=command)
     elif first.suffix == ".json":
         from modeltap.render.report import compare_page, read_compare_json
+        from modeltap.render.report.compare_page import GENERATE_SCHEMA, compare_generate_page
 
         if not first.is_file():
             raise InputError(f"no file '{first}'; check the path")
-        page = compare_page(read_compare_json(first), command=command)
+        data = read_compare_json(first)
+        build = compare_generate_page if data.get("schema") == GENERATE_SCHEMA else compare_page
+        page = build(data, command=command)
     else:
         from modeltap.dump import load_dump
         from modeltap.render.report import dump_page
 
         page = dump_page(load_dump(first), command=command)
     write_html(target, page)
-    stderr().print(f"wrote {target}")
 
 
 def _diff_page(a: Path, b: Path, command: str, *, config: Path | None, **flags: Any) -> Any:

@@ -336,6 +336,7 @@ def processor_inputs(
     description: dict[str, Any] = {
         "processor": name,
         "processor_sha256": processor_hash(processor),
+        "processor_settings": processor_settings(processor),
     }
     if texts:
         description["texts"] = texts
@@ -420,6 +421,31 @@ def processor_hash(processor: Any) -> str:
     vocab = processor.get_vocab() if hasattr(processor, "get_vocab") else {}
     text = json.dumps([type(processor).__name__, sorted(vocab.items())], default=str)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def processor_settings(processor: Any) -> dict[str, Any]:
+    """The processor's settings that fit on a line (nested ones dotted: `image_processor.resample`),
+    so that `diff` can say which one changed; long values (vocabularies, filters, templates) are
+    left to the hash."""
+    settings: dict[str, Any] = {}
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}.{key}" if path else str(key))
+        elif isinstance(value, (bool, int, float, type(None))) or (
+            isinstance(value, str) and len(value) <= 80
+        ):
+            settings[path] = value
+        elif isinstance(value, (list, tuple)) and len(value) <= 8:
+            if all(isinstance(v, (bool, int, float, str, type(None))) for v in value):
+                settings[path] = list(value)
+
+    try:
+        walk(processor.to_dict(), "")
+    except Exception:  # noqa: BLE001 - some processors can't serialise a part: no settings
+        return {}
+    return settings
 
 
 def _import(module: str, extra: str) -> Any:

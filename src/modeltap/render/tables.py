@@ -43,9 +43,7 @@ def diff_heading(report: DiffReport) -> Text:
     text = Text()
     for change in report.metadata:
         style = {"warning": "yellow", "error": "bold red"}.get(change.level, "dim")
-        text.append(
-            f"{change.level}: {change.key} differs: {change.a} vs {change.b}\n", style=style
-        )
+        text.append(f"{change.level}: {change.key} differs: {change.describe()}\n", style=style)
     verdict = "PASS" if report.passed else "FAIL"
     if report.inputs_differ:
         verdict = "FAIL: inputs differ"

@@ -17,6 +17,8 @@ from modeltap.render.report.page import OKABE_ITO, Page, Section, cividis, fmt, 
 from modeltap.render.tree import _module_tree, _Node, _relative
 
 TREE_COLUMNS = ["module", "verdict", "local error", "cumulative error", "replay", "note"]
+# What `compare --generate N --json` prints (compare/generate.py): a page of its own.
+GENERATE_SCHEMA = "modeltap.compare-generate/1"
 
 
 def read_compare_json(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -30,12 +32,88 @@ def read_compare_json(path: str | os.PathLike[str]) -> dict[str, Any]:
             "`modeltap compare --json`"
         ) from None
     schema = data.get("schema") if isinstance(data, dict) else None
-    if schema != COMPARE_SCHEMA:
+    if schema not in (COMPARE_SCHEMA, GENERATE_SCHEMA):
         raise InputError(
-            f"'{p}' has report schema {schema!r}, not {COMPARE_SCHEMA!r} that this modeltap "
-            "reads; write it again with this modeltap's `compare --json`"
+            f"'{p}' has report schema {schema!r}, not {COMPARE_SCHEMA!r} or {GENERATE_SCHEMA!r} "
+            "that this modeltap reads; write it again with this modeltap's `compare --json`"
         )
     return data
+
+
+def _tokens(ids: Any, row: int) -> list[Any]:
+    """Row `row` of a batch of new ids (a list of lists), or the list itself."""
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return ids[row] if row < len(ids) else []
+    return ids if isinstance(ids, list) else []
+
+
+def compare_generate_page(data: dict[str, Any], *, command: str = "") -> Page:
+    """The page of `compare --generate N --json`: the verdict and both texts, a table of every
+    step (both sides' tokens, the step's diff, flips and near ties), and, where a step was
+    attributed, that step's compare page below."""
+    passed = bool(data.get("passed"))
+    steps = (data.get("steps") or {}).get("steps", [])
+    departures = {(d["step"], d["row"]): d for d in data.get("departures", [])}
+    ties = {(t["step"], t["row"]) for t in data.get("ties", [])}
+    attribution = data.get("attribution")
+    reference = data.get("reference") or (attribution or {}).get("reference", {})
+    candidate = data.get("candidate") or (attribution or {}).get("candidate", {})
+    page = Page(f"modeltap compare --generate: {reference.get('model', '?')}", "compare",
+                command=command)  # fmt: skip
+    first = (data.get("steps") or {}).get("first_divergence")
+    failed_flip = next((d for d in data.get("departures", []) if not d.get("within_precision")),
+                       None)  # fmt: skip
+
+    def joined(value: Any) -> str:
+        return " | ".join(map(str, value)) if isinstance(value, list) else str(value or "")
+
+    page.summary = [
+        ("verdict", "PASS" if passed else "FAIL", "ok" if passed else "bad"),
+        ("reference", ", ".join(f"{k} {v}" for k, v in reference.items()), ""),
+        ("candidate", ", ".join(f"{k} {v}" for k, v in candidate.items()), ""),
+        ("reference text", joined(data.get("reference_text")), ""),
+        ("candidate text", joined(data.get("candidate_text")), ""),
+        ("steps compared", str(len(steps)), ""),
+        ("first step out of tolerance",
+         "none" if not first else f"step {first['step']}, {first.get('key')}",
+         "bad" if first else "ok"),
+        ("token flip", "none" if failed_flip is None else
+         f"step {failed_flip['step']}, row {failed_flip['row']}", "bad" if failed_flip else "ok"),
+        ("near ties (within precision)", str(len(ties)), "warn" if ties else ""),
+    ]  # fmt: skip
+    rows = []
+    for step in steps:
+        for row, (ta, tb) in enumerate(zip(step.get("token_a") or [None],
+                                           step.get("token_b") or [None], strict=False)):
+            flip = departures.get((step["step"], row))
+            what = ""
+            if flip is not None:
+                what = ("near tie, within precision" if (step["step"], row) in ties
+                        else "flip beyond the preset")  # fmt: skip
+                what += (f": reference {flip.get('reference')} {flip.get('reference_text')!r} "
+                         f"p {fmt(flip.get('p_reference'))}, candidate {flip.get('candidate')} "
+                         f"{flip.get('candidate_text')!r} p {fmt(flip.get('p_candidate'))}")
+            bad = step.get("failed") or (flip is not None and (step["step"], row) not in ties)
+            rows.append({"class": "bad" if bad else "", "cells": [
+                step["step"], row, "" if ta is None else ta, "" if tb is None else tb,
+                f"{step.get('failed', 0)} / {step.get('compared', 0)}", fmt(step.get("max_abs")),
+                step.get("first") or "", what,
+            ]})  # fmt: skip
+    page.sections.append(Section(
+        "table", "Steps and tokens", rows=rows,
+        columns=["step", "row", "reference token", "candidate token",
+                 "out of tolerance / compared", "max |a−b|", "first key out", "flip"],
+        note="The candidate is forced to the reference's tokens, so both sides run the same "
+        "sequence; a flip is a step where the candidate's likeliest token differs.",
+    ))  # fmt: skip
+    if isinstance(attribution, dict) and attribution.get("modules"):
+        inner = compare_page(attribution, command=command)
+        step = data.get("attributed_step")
+        page.figures.update(inner.figures)
+        for section in inner.sections:
+            section.title = f"Step {step}: {section.title}"
+        page.sections += inner.sections
+    return page
 
 
 def _error(value: Any) -> float | None:

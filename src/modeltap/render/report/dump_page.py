@@ -33,6 +33,54 @@ def block_of(key: str) -> str | None:
     return match.group(1) if match else None
 
 
+# Tick labels an axis shows at most: beyond, every other segment's (then every third...).
+MAX_TICKS = 48
+
+
+def _module(key: str) -> str:
+    from modeltap.capture.keys import split_key
+
+    return split_key(key.removeprefix(GRAD_PREFIX))[0]
+
+
+def _segments(keys: list[str]) -> list[tuple[int, str]]:
+    """(index, label) where each run of keys begins: a block (`encoder.layer.3`) or, between
+    blocks, a module (`embeddings`, `pooler`); every key when they are few."""
+    if len(keys) <= 24:
+        return list(enumerate(keys))
+    out: list[tuple[int, str]] = []
+    current: str | None = None
+    for i, key in enumerate(keys):
+        segment = block_of(key) or _module(key).split(".")[0]
+        if segment != current:
+            out.append((i, segment))
+            current = segment
+    return out
+
+
+def _short(label: str, width: int = 28) -> str:
+    return label if len(label) <= width else "…" + label[len(label) - width + 1 :]
+
+
+def axis_ticks(keys: list[str], title: str, *, categories: bool = False) -> dict[str, Any]:
+    """An axis over keys in execution order, labelled with module names where each block (or
+    module between blocks) begins, instead of bare indices. `categories`: the axis holds the
+    keys themselves (a heatmap's), not their indices."""
+    segments = _segments(keys)
+    step = max(1, -(-len(segments) // MAX_TICKS))
+    chosen = segments[::step]
+    return {
+        "title": {"text": title},
+        "automargin": True,
+        "tickmode": "array",
+        "tickvals": [keys[i] if categories else i for i, _ in chosen],
+        "ticktext": [_short(label) for _, label in chosen],
+        "tickangle": -40,
+        "zeroline": False,  # x = 0 is the first key, not a value
+        **({"type": "category"} if categories else {}),
+    }
+
+
 def hist_labels() -> list[str]:
     """One label per bin of stats.HIST_EDGES, e.g. '[1e-06, 3.2e-06)'."""
     edges = [f"{e:.2g}" for e in HIST_EDGES]
@@ -163,11 +211,12 @@ def line_figures(dump: Dump, keys: list[str], prefix: str, what: str) -> dict[st
             "data": data,
             "layout": layout(
                 f"{title} ({what}); shaded: every other block",
-                "execution order (index of the key; hover for its name)",
+                "module (execution order; hover for the key)",
                 y_title,
                 log_y=log,
                 shapes=shapes,
                 showlegend=bool(bad),
+                xaxis=axis_ticks(keys, "module (execution order; hover for the key)"),
             ),
         }
     return figures
@@ -217,8 +266,8 @@ def hist_parts(dump: Dump, keys: list[str]) -> tuple[dict, dict, dict, dict[str,
             "Where the values lie, every tensor (row = key in execution order)",
             "value bin (signed, log-spaced)", "key (execution order; hover for its name)",
             height=max(360, min(900, 12 * len(with_hist))),
-            yaxis={"autorange": "reversed", "type": "category", "showticklabels": False,
-                   "title": {"text": "key (execution order; hover for its name)"}},
+            yaxis={**axis_ticks(with_hist, "key (execution order; hover for its name)",
+                                categories=True), "autorange": "reversed", "tickangle": 0},
         ),
     }  # fmt: skip
     figures = {
@@ -241,6 +290,13 @@ def dump_page(dump: Dump, *, command: str = "") -> Page:
             f"'{dump.path}' is a safetensors file without modeltap's metadata; "
             "report a file written by `modeltap dump` (or `modeltap.record`)"
         )
+    from modeltap.generate import generation_meta
+
+    gen = generation_meta(dump)
+    if gen is not None:
+        from modeltap.render.report.generation_page import generation_page
+
+        return generation_page(dump, gen, command=command)
     keys = dump.keys()
     meta = dump.metadata
     page = Page(f"modeltap dump: {meta.get('model', dump.path.name)}", "dump", command=command)

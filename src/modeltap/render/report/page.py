@@ -94,8 +94,11 @@ def layout(title: str, x_title: str, y_title: str, *, log_y: bool = False, **ext
     return {
         "title": {"text": title, "x": 0.01, "font": {"size": 15}},
         "xaxis": {"title": {"text": x_title}, "automargin": True},
+        # A log axis spanning less than a decade labels its minor ticks: in full (0.02, 0.05),
+        # not as bare digits (2, 5) that read as values.
         "yaxis": {"title": {"text": y_title}, "type": "log" if log_y else "-",
-                  "automargin": True},
+                  "automargin": True,
+                  **({"minorloglabels": "complete", "exponentformat": "power"} if log_y else {})},
         "margin": {"l": 60, "r": 20, "t": 40, "b": 50},
         "height": 320,
         "hovermode": "closest",

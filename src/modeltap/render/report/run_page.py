@@ -94,13 +94,44 @@ def _reduced(values: Any, rows: list[tuple[int, int]], columns: list[tuple[int, 
 
 
 def _log_colorbar(title: str, z: list[list[float | None]]) -> dict[str, Any]:
+    """A colour bar over log10 values, ticked in the values themselves: every decade in the
+    data's range, or 1-2-5 (then every digit) within it when that gives fewer than three."""
     present = [v for row in z for v in row if v is not None]
-    low, high = (math.floor(min(present)), math.ceil(max(present))) if present else (0, 1)
-    ticks = list(range(low, high + 1)) if high - low <= 12 else None
     bar: dict[str, Any] = {"title": {"text": title}}
-    if ticks:
-        bar.update(tickvals=ticks, ticktext=[f"1e{t}" for t in ticks])
+    if not present:
+        return bar
+    low, high = min(present), max(present)
+    ticks: list[float] = []
+    for mantissas in ((1,), (1, 2, 5), tuple(range(1, 10))):
+        ticks = [
+            math.log10(m) + e
+            for e in range(math.floor(low), math.ceil(high) + 1)
+            for m in mantissas
+            if low - 1e-9 <= math.log10(m) + e <= high + 1e-9
+        ]
+        if len(ticks) >= 3 or mantissas[-1] == 9:
+            break
+    if len(ticks) > 12:
+        ticks = [t for t in ticks if abs(t - round(t)) < 1e-9]  # decades only
+        ticks = ticks[:: max(1, math.ceil(len(ticks) / 12))]
+    if len(ticks) < 2:  # all within one digit: the ends of the range
+        ticks = sorted({low, high})
+    bar.update(tickvals=ticks, ticktext=[f"{10**t:.3g}" for t in ticks])
     return bar
+
+
+def _step_axis(steps: list[int], *, cells: bool) -> dict[str, Any]:
+    """The training-step axis: only the recorded range (a heatmap's cells half a step beyond),
+    each recorded step ticked when they are few."""
+    axis: dict[str, Any] = {"title": {"text": "training step"}, "automargin": True}
+    if not steps:
+        return axis
+    half = (steps[1] - steps[0]) / 2 if cells and len(steps) > 1 else (0.5 if cells else 0)
+    if len(steps) > 1 or cells:
+        axis["range"] = [steps[0] - half, steps[-1] + half]
+    if len(steps) <= 20:
+        axis.update(tickmode="array", tickvals=steps, ticktext=[str(s) for s in steps])
+    return axis
 
 
 def _heatmap(run: RunIndex, rank: int, spec: tuple, events: dict[str, Any]) -> dict[str, Any]:
@@ -114,7 +145,8 @@ def _heatmap(run: RunIndex, rank: int, spec: tuple, events: dict[str, Any]) -> d
     y = [keys[r0] if r1 - r0 == 1 else f"{keys[r0]} … (+{r1 - r0 - 1})" for r0, r1 in rows]
     data: list[dict[str, Any]] = [{
         "type": "heatmap", "x": x, "y": y, "z": z, "colorscale": HEATMAP_SCALE,
-        "colorbar": _log_colorbar(unit, z) if log else {"title": {"text": unit}},
+        "colorbar": _log_colorbar(unit.replace("log₁₀ ", "") + " (log scale)", z) if log
+        else {"title": {"text": unit}},
         "hovertemplate": "step %{x}<br>%{y}<br>" + unit + " %{z:.3g}<extra></extra>",
         "hoverongaps": False,
     }]  # fmt: skip
@@ -133,7 +165,7 @@ def _heatmap(run: RunIndex, rank: int, spec: tuple, events: dict[str, Any]) -> d
     height = max(320, min(1100, 14 * len(y) + 120))
     return {"data": data, "layout": layout(
         f"{title} per step and module, rank {rank}", "training step", "module (execution order)",
-        height=height, shapes=shapes, showlegend=False,
+        height=height, shapes=shapes, showlegend=False, xaxis=_step_axis(x, cells=True),
         yaxis={"autorange": "reversed", "automargin": True, "type": "category",
                "title": {"text": "module (execution order)"}},
     )}  # fmt: skip
@@ -169,7 +201,8 @@ def _updates(run: RunIndex, rank: int) -> tuple[dict[str, Any], str]:
     figure = {"data": data, "layout": layout(
         f"Update ratio per parameter, rank {rank}", "training step",
         "‖Δw‖ / ‖w‖ per step (log scale)", log_y=True, height=380,
-        legend={"font": {"size": 10}})}  # fmt: skip
+        legend={"font": {"size": 10}},
+        xaxis=_step_axis([steps[c0]["step"] for c0, _ in columns], cells=False))}  # fmt: skip
     return figure, note
 
 
