@@ -1147,3 +1147,28 @@ def test_cli_num_beams_below_one_is_one_line(gpt2_dir: Path) -> None:
     assert result.exit_code == 2, result.output
     assert result.output.strip() == "error: --num-beams is 0; give 1 or more"
     assert not Path("g.st").exists()
+
+
+def test_beam_search_rows_that_end_early_are_padding(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    """A prompt whose best beam ends with EOS before the other's: its later tokens are
+    generate's padding, with no row (-1) and no probability; the table still renders."""
+    from modeltap.generate import prompt_inputs
+    from modeltap.render.generation import generation_table
+
+    model = tiny_llama()
+    model.generation_config.num_beams = 3
+    inputs = prompt_inputs(model, tok, ["hello world the quick", "the"])
+    first = _beams_reference(model, inputs, 5)
+    start = inputs.kwargs["input_ids"].shape[1]
+    model.generation_config.eos_token_id = int(first.sequences[1, start + 1])  # row 1's 2nd
+    expected = _beams_reference(model, inputs, 5)
+    done = generate_model(
+        model, inputs, tmp_path / "g.st", tokenizer=tok, decoding=Decoding(max_new_tokens=5)
+    )
+    assert done.new_ids == expected.sequences[:, start:].tolist()
+    ends = expected.beam_indices[1].tolist().index(-1)  # row 1's sequence ends before the last
+    assert 0 < ends < len(done.steps)
+    for entry in done.steps[ends:]:
+        assert entry["beam"][1] == -1 and entry["p"][1] is None
+    assert entry["beam"][0] >= 0 and entry["p"][0] is not None
+    generation_table(done.meta, row=1)  # renders the padding as blanks

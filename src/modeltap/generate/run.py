@@ -307,22 +307,19 @@ class _Choices:
     def beam_steps(self, new: torch.Tensor, rows: torch.Tensor) -> None:
         """Each step's token of each returned sequence (`new`), with the row of the step's
         forward that chose it (`rows`, -1 past a sequence's end: `token` is then padding)."""
+        names = ("token", "p", "second", "p_second", "beam")
         for step in range(new.shape[1]):
             top, top_p, tokens, token_p = self._beam[step]
-            entry: dict[str, Any] = {"step": step, "token": [], "p": [], "second": []}
-            entry.update(p_second=[], beam=[])
+            columns: dict[str, list[Any]] = {name: [] for name in names}
             for token, row in zip(new[:, step].tolist(), rows[:, step].tolist(), strict=True):
                 p = second = p_second = None
                 if row >= 0:
                     p = float(token_p[row, int((tokens == token).nonzero()[0, 0])])
                     other = 1 if int(top[row, 0]) == token else 0
                     second, p_second = int(top[row, other]), float(top_p[row, other])
-                for name, value in zip(
-                    ("token", "p", "second", "p_second", "beam"),
-                    (token, p, second, p_second, row), strict=True,
-                ):  # fmt: skip
-                    entry[name].append(value)
-            self.steps.append(entry)
+                for name, value in zip(names, (token, p, second, p_second, row), strict=True):
+                    columns[name].append(value)
+            self.steps.append({"step": step, **columns})
 
 
 @dataclass
