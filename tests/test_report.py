@@ -250,6 +250,7 @@ def test_compare_page_puts_local_beside_cumulative_error(chromium, bert_dir: Pat
     result = invoke("compare", bert_dir, "hello world", "--against", "bf16", "--preset", "exact",
                     "--html", "c.html", "--json")  # fmt: skip
     assert result.exit_code == 1, result.output
+    assert "wrote c.html" in result.stderr.splitlines()
 
     (tmp_path / "c.json").write_text(result.stdout)
     data = json.loads(result.stdout)
