@@ -15,16 +15,21 @@ MAX_STEP_VIEWS = 64
 
 
 def token_rows(gen: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per step and batch row: the token generate chose there and the runner-up."""
+    """One row per step and batch row (or beam): the token generate chose there and the
+    runner-up; a field a step does not hold (a finished beam's padding) is left blank."""
     full = set(gen.get("full_steps", []))
     rows = []
     for step in gen.get("steps", []):
-        texts, seconds = step.get("text") or [], step.get("second_text") or []
-        for row, token in enumerate(step.get("token") or []):
+
+        def at(name: str, row: int, step: dict[str, Any] = step) -> Any:
+            values = step.get(name) or []
+            value = values[row] if row < len(values) else None
+            return "" if value is None else value
+
+        for row in range(len(step.get("token") or [])):
             rows.append({"class": "", "cells": [
-                step["step"], row, token, texts[row] if row < len(texts) else "",
-                fmt(step["p"][row]), step["second"][row],
-                seconds[row] if row < len(seconds) else "", fmt(step["p_second"][row]),
+                step["step"], row, at("token", row), at("text", row), fmt(at("p", row)),
+                at("second", row), at("second_text", row), fmt(at("p_second", row)),
                 "tensors" if step["step"] in full else "statistics",
             ]})  # fmt: skip
     return rows
