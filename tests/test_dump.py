@@ -96,6 +96,20 @@ def test_oversized_reservation_leaves_no_padding_beyond_the_headers_size(tmp_pat
     assert not list(tmp_path.glob(".*tmp*"))
 
 
+@pytest.mark.parametrize("reserve", [8, 1 << 20])
+def test_a_small_header_moved_lands_before_its_data(tmp_path, reserve):
+    # a header smaller than the file object's buffer, behind which the data is copied
+    tensors = {"a": torch.arange(5.0), "b": torch.ones(2, 3, dtype=torch.int64)}
+    with DumpWriter(tmp_path / "d.safetensors", reserve=reserve) as writer:
+        for key, value in tensors.items():
+            writer.tensor(key, value)
+        path = writer.finish({})
+    n, json_bytes = _header_sizes(path)
+    assert n < 1024 and n - json_bytes < 8
+    loaded = load_file(path)
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+
+
 def test_data_much_larger_than_the_padding_stays_where_it_is(tmp_path):
     # moving 16 MiB of data to give back 1 MiB of padding costs more than it saves
     big = torch.arange(4 << 20, dtype=torch.float32)

@@ -483,6 +483,7 @@ class DumpWriter:
         try:
             with open(self._tmp, "rb") as src, open(moved, "wb") as dst:
                 dst.write(struct.pack("<Q", len(padded)) + padded)
+                dst.flush()  # the copy below writes at the descriptor's offset, past the header
                 src.seek(8 + self._reserve)
                 remaining = self._offset
                 while remaining:
