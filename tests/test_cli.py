@@ -475,3 +475,79 @@ def test_export_help_offers_only_what_export_takes():
     text = " ".join(result.stdout.split())
     model_line = text[text.index("MODEL Hugging Face") : text.index("TEXT Sentences")]
     assert model_line.endswith("config.json, or pkg.module:factory. ")
+
+
+def _modules_after(args, tmp_path, names):
+    """Which of `names` a whole `modeltap ARGS` process imported (its stdout, then the list)."""
+    code = (
+        "import sys\nfrom modeltap.cli import main\n"
+        f"sys.argv = ['modeltap', *{[str(a) for a in args]!r}]\n"
+        "try:\n    main()\nexcept SystemExit as exc:\n    code = exc.code\nelse:\n    code = 0\n"
+        f"print('exit', code, *(m for m in {list(names)!r} if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True
+    )
+    *out, last = done.stdout.splitlines()
+    _, code, *imported = last.split()
+    return "\n".join(out), int(code), imported
+
+
+def test_help_builds_no_command_and_imports_neither_rich_nor_config(tmp_path):
+    # the ten commands' options (typer reads each signature) and the modules they come from
+    # were a third of `--help`'s time
+    modules = ["modeltap.cli.dump", "modeltap.cli.show", "modeltap.config", "rich.console"]
+    out, code, imported = _modules_after(["--help"], tmp_path, modules)
+    assert code == 0 and imported == []
+    listed = [line.split()[0] for line in out.split("Commands:")[1].splitlines() if line.strip()]
+    order = "dump generate grads show ls diff compare export report replay"
+    assert listed == order.split()
+
+
+def test_the_command_list_is_each_commands_own_docstring():
+    import importlib
+    import inspect
+
+    from typer.main import get_command_name
+
+    from modeltap.cli.app import COMMANDS
+
+    for module, _ in COMMANDS.values():
+        importlib.import_module(module)
+    registered = {
+        info.name or get_command_name(info.callback.__name__): info.callback
+        for info in app.registered_commands
+    }
+    assert set(registered) == set(COMMANDS)
+    for name, (module, summary) in COMMANDS.items():
+        doc = inspect.getdoc(registered[name]).split("\n\n")[0]
+        assert " ".join(doc.split()) == summary, name
+        assert registered[name].__module__ == module
+
+
+def test_show_and_diff_leave_pydantic_out_and_read_their_options(tmp_path):
+    # typer checks every option of the command that runs with a pydantic TypeAdapter, given or
+    # not: importing pydantic alone was 0.05-0.1 s of `show`
+    save_file({"w": torch.tensor([[3.0, 4.0]])}, tmp_path / "a.safetensors")
+    save_file({"w": torch.tensor([[3.0, 4.001]])}, tmp_path / "b.safetensors")
+    show = ["show", "a.safetensors", "--json"]
+    out, code, imported = _modules_after(show, tmp_path, ["pydantic"])
+    assert code == 0 and imported == []
+    assert json.loads(out)["tensors"][0]["norm"] == pytest.approx(5.0)
+    diff = ["diff", "a.safetensors", "b.safetensors", "--include", "w", "--json"]
+    out, code, imported = _modules_after(
+        [*diff, "--atol", "1e-2", "--rtol", "0"], tmp_path, ["pydantic"]
+    )
+    assert code == 0 and imported == [] and json.loads(out)["passed"] is True
+    out, code, _ = _modules_after([*diff, "--atol", "1e-4", "--rtol", "0"], tmp_path, [])
+    assert code == 1 and json.loads(out)["passed"] is False
+    # a value that is no number still gets typer's own message
+    result = invoke("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--atol", "x")
+    assert result.exit_code == 2 and "Invalid value for '--atol'" in result.stderr
+    result = invoke("show", tmp_path / "absent.safetensors", "--rank", "1")
+    assert result.exit_code == 2 and "no file" in result.stderr
+
+
+def test_a_mistyped_command_is_named(tmp_path):
+    result = invoke("shwo", tmp_path)
+    assert result.exit_code == 2 and "Did you mean 'show'?" in result.output

@@ -6,11 +6,7 @@ torch and transformers are imported inside the commands, so `modeltap --help` an
 
 from __future__ import annotations
 
-# Importing a command module registers it; this order is the order of `modeltap --help`.
-# isort: off
-from modeltap.cli import dump, generate, grads, show, ls, diff, compare, export, report, replay  # noqa: F401
-
-# isort: on
+# Each command's module is imported when the command runs (app.COMMANDS, in `--help` order).
 from modeltap.cli.app import app, handle_errors
 
 __all__ = ["app", "handle_errors", "main"]
