@@ -548,6 +548,16 @@ def test_show_and_diff_leave_pydantic_out_and_read_their_options(tmp_path):
     assert result.exit_code == 2 and "no file" in result.stderr
 
 
+def test_the_groups_commands_build_on_first_look():
+    # click's own way in (`group.commands[name]`), before anything imported the command
+    code = (
+        "from typer.main import get_command\nfrom modeltap.cli import app\n"
+        "print(*sorted(o for p in get_command(app).commands['diff'].params for o in p.opts))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "--atol" in done.stdout.split()
+
+
 def test_a_mistyped_command_is_named(tmp_path):
     result = invoke("shwo", tmp_path)
     assert result.exit_code == 2 and "Did you mean 'show'?" in result.output

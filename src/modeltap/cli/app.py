@@ -210,6 +210,10 @@ class LazyGroup(TyperGroup):
 
     _listing = False
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands = _Commands(self.commands)
+
     def list_commands(self, ctx: Any) -> list[str]:
         return [*COMMANDS, *(n for n in super().list_commands(ctx) if n not in COMMANDS)]
 
@@ -242,6 +246,16 @@ class LazyGroup(TyperGroup):
                 names = ", ".join(f"{m!r}" for m in matches)
                 exc.message = f"{exc.message.rstrip('.')}. Did you mean {names}?"
             raise
+
+
+class _Commands(dict):  # type: ignore[type-arg]
+    """The group's commands by name: `commands["dump"]` builds one of COMMANDS not built yet."""
+
+    def __missing__(self, name: str) -> Any:
+        if name not in COMMANDS:
+            raise KeyError(name)
+        self[name] = command = _load(name)
+        return command
 
 
 def _load(name: str) -> Any:
