@@ -5,13 +5,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures import hf
+from tests.fixtures import hf, parallel
 
 # No test may reach the network: the Hub is unreachable on CI and would only time out.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# The whole suite runs on pytest-xdist workers, one per CPU (tests/fixtures/parallel.py says how
+# and what shares a worker); `-n 0` or `-p no:xdist` runs it in this one process.
+pytest_cmdline_main = parallel.pytest_cmdline_main
+pytest_xdist_auto_num_workers = parallel.pytest_xdist_auto_num_workers
+pytest_collection_modifyitems = parallel.pytest_collection_modifyitems
+parallel.share_the_cpus()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

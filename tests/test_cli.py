@@ -561,3 +561,124 @@ def test_the_groups_commands_build_on_first_look():
 def test_a_mistyped_command_is_named(tmp_path):
     result = invoke("shwo", tmp_path)
     assert result.exit_code == 2 and "Did you mean 'show'?" in result.output
+
+
+# --- #29: missing weights, and hints that name only options the command has ------------------
+
+
+def test_generate_on_minilm_without_an_lm_head_is_refused(minilm_dir, tmp_path):
+    import transformers
+
+    # transformers' own loading info: the LM head it would draw at random
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        minilm_dir, output_loading_info=True
+    )
+    names = dict(model.named_parameters(remove_duplicate=False))
+    expected = sorted(set(info["missing_keys"]) & names.keys())
+    assert type(model).__name__ == "BertLMHeadModel" and len(expected) == 6
+    result = invoke("generate", minilm_dir, "hello world", "-o", "g.safetensors")
+    assert_clean_error(result, "--model-class", tmp_path)
+    assert "6 parameter(s)" in result.stderr and "--allow-missing-weights" in result.stderr
+    allowed = invoke(
+        "generate", minilm_dir, "hello world", "--max-new-tokens", "1", "-o", "g.safetensors",
+        "--allow-missing-weights",
+    )  # fmt: skip
+    assert allowed.exit_code == 0, allowed.output
+    notes = [line for line in allowed.stderr.splitlines() if "randomly initialised" in line]
+    assert len(notes) == 1 and "6 parameter(s) of BertLMHeadModel" in notes[0]
+    meta = load_dump(tmp_path / "g.safetensors").metadata
+    assert json.loads(meta["missing_weights"]) == expected
+
+
+def _missing_weights_runs(bert):
+    head = ("--model-class", "AutoModelForMaskedLM")
+    return {
+        "dump": ["dump", bert, "hello", *head],
+        "grads": ["grads", bert, "hello", *head],
+        "export": ["export", bert, "hello", *head],
+        "compare": ["compare", bert, "hello", "--against", "bf16", *head],
+        "generate": ["generate", bert, "hello", "--max-new-tokens", "1"],
+    }
+
+
+@pytest.mark.parametrize("command", ["dump", "grads", "export", "compare", "generate"])
+def test_every_loading_command_refuses_missing_weights_unless_allowed(bert_dir, tmp_path, command):
+    args = _missing_weights_runs(bert_dir)[command]
+    out = ["-o", str(tmp_path / "x.pt2" if command == "export" else tmp_path / "x.safetensors")]
+    refused = invoke(*args, *(out if command != "compare" else []))
+    assert_clean_error(refused, "--allow-missing-weights", tmp_path)
+    assert "randomly" in refused.stderr or "random weights" in refused.stderr
+    allowed = invoke(*args, *(out if command != "compare" else []), "--allow-missing-weights")
+    assert allowed.exit_code in (0, 1), allowed.output  # compare: 1 when bf16 is off
+    assert "error" not in allowed.stderr
+    if command in ("dump", "grads", "generate"):
+        meta = load_dump(tmp_path / "x.safetensors").metadata
+        assert json.loads(meta["missing_weights"])[0].startswith("cls.predictions")
+
+
+def _flags(command: str) -> set[str]:
+    """Every option name the command has, from click's own parameter list."""
+    from typer.main import get_command
+
+    params = get_command(app).commands[command].params
+    return {opt for p in params for opt in (*p.opts, *p.secondary_opts) if opt.startswith("--")}
+
+
+@pytest.fixture(scope="module")
+def media_models(tmp_path_factory):
+    import numpy as np
+
+    from tests.fixtures.media import build_clip, build_vit, write_image
+
+    root = tmp_path_factory.mktemp("media-models")
+    build_vit(root / "vit")
+    build_clip(root / "clip")
+    write_image(root / "cat.png", 16, 16)
+    (root / "notes.jpg").write_text("not an image")
+    (root / "photos").mkdir()
+    np.save(root / "ids.npy", np.zeros(3))
+    return root
+
+
+def _hint_cases(root: Path, bert: Path, gpt2: Path) -> list[list]:
+    vit, clip, cat = root / "vit", root / "clip", root / "cat.png"
+    run_on = {
+        "dump": ["dump", vit],
+        "grads": ["grads", vit],
+        "compare": ["compare", vit, "--against", "bf16"],
+        "generate": ["generate", gpt2],
+    }
+    cases = []
+    for command, head in run_on.items():
+        for value in ("missing.jpg", root / "notes.jpg", root / "photos", root / "ids.npy"):
+            cases.append([*head, value])
+        text_model = gpt2 if command == "generate" else bert
+        cases.append([head[0], text_model, cat, *head[2:]])  # an image for a text-only model
+    cases.append(["generate", vit, cat])  # no generating class for ViT
+    cases += list(_missing_weights_runs(bert).values())
+    cases += [["dump", clip, "a cat"], ["grads", clip, "a cat"]]
+    cases.append(["compare", clip, "a cat", "--against", "bf16"])
+    return cases
+
+
+def test_every_hint_names_an_option_its_command_has(media_models, bert_dir, gpt2_dir, tmp_path):
+    """The errors #29 found naming --text where generate and compare have none, and those
+    around them: each `--flag` in an error is one of the command's options, in its --help."""
+    import re
+
+    seen = set()
+    for args in _hint_cases(media_models, bert_dir, gpt2_dir):
+        command = args[0]
+        result = invoke(*args)
+        assert result.exit_code == 2, (args, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (args, result.stderr)
+        named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", lines[0]))
+        assert named <= _flags(command), (args, lines[0], named - _flags(command))
+        help_text = invoke(command, "--help").stdout
+        assert all(flag in help_text for flag in named), (args, named)
+        seen |= named
+    # the cases do reach the hints: dump's name --text, compare's --input-file, and so on
+    assert {"--text", "--input-file", "--images-dir", "--model-class"} <= seen
+    assert {"--allow-missing-weights", "--processor"} <= seen
+    assert not list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob("*.pt2"))

@@ -276,6 +276,7 @@ def test_cli_new_tokens_past_the_decoders_positions(whisper, speech: Path) -> No
     args = ["generate", str(folder), str(speech), "-o", "g.st", "--max-new-tokens", str(limit)]
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
+    # (the espeak recording is longer than the tiny Whisper's 1 s window: a note says so)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert len(lines) == 1 and f"at most {limit - 1} new ones fit" in lines[0], result.output
     assert not Path("g.st").exists()

@@ -220,3 +220,61 @@ def test_a_text_past_a_real_limit_is_refused_with_the_fix():
     model.config = SimpleNamespace(max_position_embeddings=4)
     with pytest.raises(InputError, match=r"at most 4 tokens .* has 5; .*--max-length 4"):
         check_length(model, Inputs((), {"input_ids": torch.ones(1, 5, dtype=torch.long)}, {}))
+
+
+# --- #29: a checkpoint without weights for the class it is loaded as ------------------------
+
+
+def _transformers_missing(folder, auto: str) -> list[str]:
+    """transformers' own report of the parameters it initialised because the checkpoint had
+    none (its loading info), for reference."""
+    import transformers
+
+    model, info = getattr(transformers, auto).from_pretrained(folder, output_loading_info=True)
+    names = dict(model.named_parameters(remove_duplicate=False))
+    return sorted(set(info["missing_keys"]) & names.keys())
+
+
+def test_a_head_the_checkpoint_lacks_is_refused_naming_the_fix(bert_dir):
+    from modeltap.errors import MissingWeightsError
+
+    expected = _transformers_missing(bert_dir, "AutoModelForMaskedLM")
+    assert expected and all(k.startswith("cls.") for k in expected)
+    with pytest.raises(MissingWeightsError) as caught:
+        load_model(str(bert_dir), model_class_name="AutoModelForMaskedLM")
+    assert caught.value.missing == expected
+    message = caught.value.message
+    assert f"{len(expected)} parameter(s) of BertForMaskedLM" in message
+    assert "--model-class BertModel" in message and "--allow-missing-weights" in message
+    loaded = load_model(
+        str(bert_dir), model_class_name="AutoModelForMaskedLM", allow_missing_weights=True
+    )
+    assert loaded.missing_weights == expected
+
+
+def test_tied_heads_and_rebuilt_buffers_are_not_missing(gpt2_dir, minilm_dir):
+    from safetensors import safe_open
+
+    with safe_open(str(gpt2_dir / "model.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    assert not any(k.endswith("lm_head.weight") for k in stored)  # tied to wte: not saved
+    loaded = load_model(str(gpt2_dir), model_class_name="AutoModelForCausalLM")
+    assert loaded.missing_weights == []
+    assert loaded.model.lm_head.weight is loaded.model.transformer.wte.weight
+    # README command 1: the real MiniLM as AutoModel
+    minilm = load_model(str(minilm_dir))
+    assert minilm.missing_weights == [] and minilm.model_class == "BertModel"
+
+
+def test_missing_parameters_leaves_out_buffers_and_loaded_aliases(gpt2_dir, bert_dir):
+    import transformers
+
+    from modeltap.loading.hf import missing_parameters
+
+    bert = transformers.AutoModel.from_pretrained(bert_dir)
+    assert "embeddings.position_ids" in dict(bert.named_buffers())
+    assert missing_parameters(bert, {"embeddings.position_ids"}) == []
+    model = transformers.AutoModelForCausalLM.from_pretrained(gpt2_dir)
+    assert missing_parameters(model, {"lm_head.weight"}) == []  # wte.weight loaded
+    both = {"lm_head.weight", "transformer.wte.weight", "transformer.ln_f.bias"}
+    assert missing_parameters(model, both) == sorted(both)

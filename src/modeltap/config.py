@@ -51,6 +51,8 @@ class Settings:
     tokenizer: str | None = None
     max_length: int | None = None
     trust_remote_code: bool = False
+    # run a checkpoint lacking weights for some of the class's parameters (they start at random)
+    allow_missing_weights: bool = False
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
@@ -126,6 +128,7 @@ _TYPES: dict[str, type] = {
     "stats_only": bool,
     "hist": bool,
     "trust_remote_code": bool,
+    "allow_missing_weights": bool,
     "train_mode": bool,
     "depth": int,
     "seed": int,

@@ -17,6 +17,16 @@ class InputError(ModeltapError):
     """Bad model, input file, option or output path."""
 
 
+class MissingWeightsError(InputError):
+    """A checkpoint without weights for some parameters of the class it is loaded as: they would
+    run as transformers initialised them, at random."""
+
+    def __init__(self, message: str, *, model_class: str, missing: list[str]) -> None:
+        super().__init__(message)
+        self.model_class = model_class
+        self.missing = missing
+
+
 class SelectionError(ModeltapError):
     """A depth or pattern that selects no module, or an unknown module name."""
 

@@ -23,6 +23,7 @@ from modeltap.cli.options import (
     OUTPUT,
     RUNNING,
     TOL,
+    AllowMissingWeightsOpt,
     ConfigOpt,
     DepthOpt,
     DeviceOpt,
@@ -155,6 +156,7 @@ def compare_command(
     model_class: ModelClassOpt = None,
     tokenizer: HfTokenizerOpt = None,
     trust_remote_code: TrustOpt = None,
+    allow_missing_weights: AllowMissingWeightsOpt = None,
     dtype: DTypeOpt = None,
     device: DeviceOpt = None,
     seed: Annotated[
@@ -209,6 +211,7 @@ def compare_command(
         model_class=model_class,
         tokenizer=tokenizer,
         trust_remote_code=trust_remote_code,
+        allow_missing_weights=allow_missing_weights,
         dtype=dtype.value if dtype else None,
         device=device.value if device else None,
         seed=seed,
@@ -366,7 +369,7 @@ def _run(s: Settings, variant: Any, options: Any, work: Path | None) -> Any:
     import dataclasses
     import tempfile
 
-    from modeltap.cli.dump import _load_with_inputs, _run_metadata
+    from modeltap.cli.dump import _load_with_inputs, _run_metadata, note_missing_weights
     from modeltap.compare import compare_models, make_candidate
     from modeltap.compare.variants import compute_dtype, model_device
     from modeltap.loading import load_model
@@ -385,7 +388,9 @@ def _run(s: Settings, variant: Any, options: Any, work: Path | None) -> Any:
                 dtype=s.dtype,
                 device=s.device,
                 trust_remote_code=s.trust_remote_code,
+                allow_missing_weights=s.allow_missing_weights,
             )
+            note_missing_weights(other)
         if other is not None:
             from modeltap.compare.variants import check_same_architecture
 
@@ -413,6 +418,8 @@ def _run(s: Settings, variant: Any, options: Any, work: Path | None) -> Any:
         "dtype": str(compute_dtype(candidate)).removeprefix("torch."),
         "device": str(model_device(candidate)),
     }
+    if other is not None and other.missing_weights:
+        cand_meta["missing_weights"] = json.dumps(other.missing_weights)
     with tempfile.TemporaryDirectory(prefix="modeltap-compare-") as tmp:
         with err.status(f"comparing {loaded.model_class} with {variant.label}"):
             report = compare_models(

@@ -12,6 +12,7 @@ from modeltap.cli.options import (
     GRADIENTS,
     OUTPUT,
     SELECTION,
+    AllowMissingWeightsOpt,
     AllowPickleOpt,
     AudioDirOpt,
     AudioOpt,
@@ -89,6 +90,7 @@ def dump(
     tokenizer: TokenizerOpt = None,
     max_length: MaxLengthOpt = None,
     trust_remote_code: TrustOpt = None,
+    allow_missing_weights: AllowMissingWeightsOpt = None,
     dtype: DTypeOpt = None,
     device: DeviceOpt = None,
     seed: SeedOpt = None,
@@ -144,6 +146,7 @@ def dump(
         tokenizer=tokenizer,
         max_length=max_length,
         trust_remote_code=trust_remote_code,
+        allow_missing_weights=allow_missing_weights,
         dtype=dtype.value if dtype else None,
         device=device.value if device else None,
         seed=seed,
@@ -253,7 +256,11 @@ def sorted_inputs(
             "--batch/--limit counts the files of --images-dir or --audio-dir; give one"
         )
     media = sort_inputs(
-        positionals or [], images=images or [], audio=audio or [], texts=texts or []
+        positionals or [],
+        images=images or [],
+        audio=audio or [],
+        texts=texts or [],
+        offered=offered_flags(),
     )
     if images_dir is not None:
         media.images += folder_files(images_dir, Kind.image, limit=limit)
@@ -455,13 +462,28 @@ def _processed_inputs(s: Settings, where: str | None = None) -> Any:
         return None
     from modeltap.loading.processors import Media, load_processor, processor_inputs
 
+    offered = offered_flags()
     processor = load_processor(
         s.processor or where or s.model or "",
         revision=None if s.processor else s.revision,
         trust_remote_code=s.trust_remote_code,
+        offered=offered,
     )
     media = Media(list(s.texts), [Path(p) for p in s.images], [Path(p) for p in s.audio])
-    return processor_inputs(processor, media, max_length=s.max_length, chat=s.chat)
+    inputs_ = processor_inputs(
+        processor, media, max_length=s.max_length, chat=s.chat, offered=offered
+    )
+    for entry in inputs_.description.get("files", []):
+        if "window_s" in entry:
+            stderr().print(
+                f"note: {entry['file']} is {entry['seconds']:g} s long and the feature "
+                f"extractor takes its first {entry['window_s']:g} s only (its window; recorded "
+                "in the dump's inputs)",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+    return inputs_
 
 
 def _placement(s: Settings) -> Any:
@@ -481,6 +503,7 @@ def _load_with_inputs(
     from modeltap.loading import (
         add_decoder_inputs,
         check_length,
+        check_paired_inputs,
         file_inputs,
         load_model,
         load_tokenizer,
@@ -497,7 +520,9 @@ def _load_with_inputs(
         device_map=s.device_map,
         max_memory=s.max_memory,
         offload_folder=s.offload_folder,
+        allow_missing_weights=s.allow_missing_weights,
     )
+    note_missing_weights(loaded)
     if file_inputs_ is None and not s.input_file:
         file_inputs_ = _processed_inputs(s, str(loaded.source.path))
     tok = None
@@ -511,8 +536,54 @@ def _load_with_inputs(
     else:
         inputs_ = file_inputs(s.input_file or "")
     check_length(loaded.model, inputs_)
+    check_paired_inputs(loaded.model, inputs_, command=f"modeltap {command_name()}")
     inputs_ = add_decoder_inputs(loaded.model, inputs_)
     return loaded, inputs_.to(loaded.device, getattr(torch, loaded.dtype)), tok
+
+
+def _current_context() -> Any:
+    """The click context of the command being run, or None outside one."""
+    try:  # typer 0.2x runs on its own copy of click
+        from typer._click.globals import get_current_context
+    except ImportError:
+        from click import get_current_context
+    return get_current_context(silent=True)
+
+
+def command_name() -> str:
+    """The command being run (dump, grads, compare...), for messages that show one."""
+    ctx = _current_context()
+    return (ctx.info_name if ctx is not None else None) or "dump"
+
+
+def offered_flags() -> frozenset[str] | None:
+    """Every flag of the command being run, so that a hint names only options it has; None
+    outside a command (every hint)."""
+    ctx = _current_context()
+    if ctx is None:
+        return None
+    return frozenset(
+        opt
+        for param in ctx.command.params
+        if param.param_type_name == "option"
+        for opt in (*param.opts, *param.secondary_opts)
+    )
+
+
+def note_missing_weights(loaded: Any) -> None:
+    """One line on stderr for a model loaded with --allow-missing-weights that lacked some."""
+    missing = getattr(loaded, "missing_weights", None)
+    if missing:
+        from modeltap.loading.hf import describe_names
+
+        stderr().print(
+            f"note: {loaded.source.name} has no weights for {len(missing)} parameter(s) "
+            f"of {loaded.model_class} ({describe_names(missing)}): they run randomly "
+            "initialised (--allow-missing-weights; listed as missing_weights in the metadata)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def _is_transformed(model: str) -> bool:
@@ -634,4 +705,6 @@ def _run_metadata(s: Settings, loaded: Any) -> dict[str, str]:
         meta["device_map"] = json.dumps({k: str(v) for k, v in loaded.device_map.items()})
     if loaded.source.revision:
         meta["revision"] = loaded.source.revision
+    if getattr(loaded, "missing_weights", None):
+        meta["missing_weights"] = json.dumps(loaded.missing_weights)
     return meta

@@ -14,6 +14,7 @@ import typer
 from modeltap.cli.app import app, given, handle_errors, refuse, settings, stderr
 from modeltap.cli.options import (
     OUTPUT,
+    AllowMissingWeightsOpt,
     ConfigOpt,
     ExportModelArg,
     InputFileOpt,
@@ -56,6 +57,7 @@ def export(
     model_class: ModelClassOpt = None,
     tokenizer: TokenizerOpt = None,
     trust_remote_code: TrustOpt = None,
+    allow_missing_weights: AllowMissingWeightsOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """Export a model (torch.export .pt2, or a TorchScript trace .pt) that `modeltap dump` reads
@@ -72,6 +74,7 @@ def export(
         model_class=model_class,
         tokenizer=tokenizer,
         trust_remote_code=trust_remote_code,
+        allow_missing_weights=allow_missing_weights,
     )
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")

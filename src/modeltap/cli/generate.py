@@ -11,6 +11,7 @@ from modeltap.cli.app import app, handle_errors, settings, stderr
 from modeltap.cli.options import (
     LOADING,
     OUTPUT,
+    AllowMissingWeightsOpt,
     ConfigOpt,
     DepthOpt,
     DeviceMapOpt,
@@ -37,7 +38,7 @@ from modeltap.cli.options import (
     TrustOpt,
 )
 from modeltap.config import Settings
-from modeltap.errors import InputError
+from modeltap.errors import InputError, MissingWeightsError
 
 
 @app.command()
@@ -122,6 +123,7 @@ def generate(
     ] = None,
     tokenizer: HfTokenizerOpt = None,
     trust_remote_code: TrustOpt = None,
+    allow_missing_weights: AllowMissingWeightsOpt = None,
     dtype: DTypeOpt = None,
     device: DeviceOpt = None,
     device_map: DeviceMapOpt = None,
@@ -159,6 +161,7 @@ def generate(
         model_class=model_class,
         tokenizer=tokenizer,
         trust_remote_code=trust_remote_code,
+        allow_missing_weights=allow_missing_weights,
         dtype=dtype.value if dtype else None,
         device=device.value if device else None,
         device_map=device_map.value if device_map else None,
@@ -198,28 +201,43 @@ def decoding(s: Settings) -> Any:
 
 def load_generator(s: Settings, *, class_given: bool) -> tuple[Any, Any]:
     """(loaded model, tokenizer): a model with its LM head unless --model-class says otherwise."""
-    from modeltap.cli.dump import _placement
+    from modeltap.cli.dump import _placement, note_missing_weights
     from modeltap.loading import load_model, load_tokenizer
 
     name = s.model or ""
     model_class_name = s.model_class if class_given or s.model_class != "AutoModel" else None
     if model_class_name is None:
         model_class_name = _generative_class(s)
+        _check_covered(s, model_class_name)
     if _placement(s) is not None:
         from modeltap.loading.placement import return_freed_memory
 
         return_freed_memory()
-    loaded = load_model(
-        name,
-        revision=s.revision,
-        model_class_name=model_class_name,
-        dtype=s.dtype,
-        device=s.device,
-        trust_remote_code=s.trust_remote_code,
-        device_map=s.device_map,
-        max_memory=s.max_memory,
-        offload_folder=s.offload_folder,
-    )
+    try:
+        loaded = load_model(
+            name,
+            revision=s.revision,
+            model_class_name=model_class_name,
+            dtype=s.dtype,
+            device=s.device,
+            trust_remote_code=s.trust_remote_code,
+            device_map=s.device_map,
+            max_memory=s.max_memory,
+            offload_folder=s.offload_folder,
+            allow_missing_weights=s.allow_missing_weights,
+        )
+    except MissingWeightsError as exc:
+        from modeltap.loading.hf import describe_names
+
+        raise MissingWeightsError(
+            f"'{name}' has no weights for the head {exc.model_class} generates with "
+            f"({len(exc.missing)} parameter(s): {describe_names(exc.missing)}), so its tokens "
+            "would come from random weights; give a checkpoint saved with a language-modelling "
+            "head, --model-class CLASS for one it has, or --allow-missing-weights to run it anyway",
+            model_class=exc.model_class,
+            missing=exc.missing,
+        ) from exc
+    note_missing_weights(loaded)
     from modeltap.generate import check_can_generate
 
     check_can_generate(loaded.model)
@@ -251,6 +269,32 @@ def _generative_class(s: Settings) -> str:
         str(source.path), trust_remote_code=s.trust_remote_code
     )
     return "AutoModelForSeq2SeqLM" if config.is_encoder_decoder else "AutoModelForCausalLM"
+
+
+def _check_covered(s: Settings, auto: str) -> None:
+    """A model type the auto class has no generating class for (ViT, a classifier...) is one
+    line naming the fix, not transformers' 'Unrecognized configuration class'."""
+    import transformers
+
+    from modeltap.loading import resolve_model
+
+    mapping = getattr(getattr(transformers, auto, None), "_model_mapping", None)
+    if mapping is None or s.trust_remote_code:
+        return
+    source = resolve_model(s.model or "", revision=s.revision)
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(source.path))
+    except (OSError, ValueError, KeyError):
+        return  # load_model says what is wrong with it
+    if type(config) in mapping:
+        return
+    name = s.model or ""
+    saved = ", ".join(getattr(config, "architectures", None) or []) or config.model_type
+    raise InputError(
+        f"'{name}' ({saved}) can't generate text: {auto} has no class for "
+        f"{config.model_type} models; give a model that generates (a causal LM, an "
+        "encoder-decoder, a vision-language or speech model), or --model-class CLASS"
+    )
 
 
 def run_generate(s: Settings, *, json_out: bool, class_given: bool) -> None:
@@ -403,7 +447,11 @@ def run_compare_generate(
                 dtype=s.dtype,
                 device=s.device,
                 trust_remote_code=s.trust_remote_code,
+                allow_missing_weights=s.allow_missing_weights,
             )
+            from modeltap.cli.dump import note_missing_weights
+
+            note_missing_weights(other)
             from modeltap.compare.variants import check_same_architecture
 
             check_same_architecture(loaded.model, other.model, s.map, (s.model, s.candidate))

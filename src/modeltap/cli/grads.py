@@ -12,6 +12,7 @@ from modeltap.cli.dump import refuse_unused, run_dump, sorted_inputs
 from modeltap.cli.options import (
     OUTPUT,
     RUNNING,
+    AllowMissingWeightsOpt,
     AudioDirOpt,
     AudioOpt,
     ChatOpt,
@@ -95,6 +96,7 @@ def grads(
     tokenizer: TokenizerOpt = None,
     max_length: MaxLengthOpt = None,
     trust_remote_code: TrustOpt = None,
+    allow_missing_weights: AllowMissingWeightsOpt = None,
     dtype: DTypeOpt = None,
     device: DeviceOpt = None,
     seed: Annotated[
@@ -131,6 +133,7 @@ def grads(
         tokenizer=tokenizer,
         max_length=max_length,
         trust_remote_code=trust_remote_code,
+        allow_missing_weights=allow_missing_weights,
         dtype=dtype.value if dtype else None,
         device=device.value if device else None,
         seed=seed,

@@ -114,6 +114,15 @@ TrustOpt = Annotated[
         rich_help_panel=LOADING,
     ),
 ]
+AllowMissingWeightsOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--allow-missing-weights/--no-allow-missing-weights",
+        help="Run a checkpoint that lacks weights for some of the class's parameters (a head it "
+        "was not saved with: randomly initialised, listed in the dump) [default: refuse].",
+        rich_help_panel=LOADING,
+    ),
+]
 
 
 TextArg = Annotated[

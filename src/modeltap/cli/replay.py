@@ -68,6 +68,7 @@ def replay(
             revision=revision,
             model_class_name=name,
             trust_remote_code=bool(trust_remote_code),
+            allow_missing_weights=True,  # the step file's weights replace them
         ).model
     result = run_replay(run_dir, module, step=step, rank=rank)
     if json_out:

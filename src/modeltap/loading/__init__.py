@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         add_decoder_inputs,
         check_forward_names,
         check_length,
+        check_paired_inputs,
         file_inputs,
         text_inputs,
     )
@@ -56,6 +57,7 @@ _HOMES = {
             "add_decoder_inputs",
             "check_forward_names",
             "check_length",
+            "check_paired_inputs",
             "file_inputs",
             "text_inputs",
         ],
@@ -76,6 +78,7 @@ __all__ = [
     "add_decoder_inputs",
     "check_forward_names",
     "check_length",
+    "check_paired_inputs",
     "file_inputs",
     "load_meta_model",
     "load_model",

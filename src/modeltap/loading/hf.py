@@ -9,7 +9,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from modeltap.errors import InputError, first_line
+from modeltap.errors import InputError, MissingWeightsError, first_line
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -69,6 +69,8 @@ class Loaded:
     notes: list[str] = field(default_factory=list)
     # Where accelerate put each module (transformers' `hf_device_map`), for a placed model.
     device_map: dict[str, int | str] | None = None
+    # Parameters the checkpoint had no weights for, initialised at random (allowed by the caller).
+    missing_weights: list[str] = field(default_factory=list)
 
 
 def looks_like_path(name: str) -> bool:
@@ -173,12 +175,17 @@ def load_model(
     device_map: DeviceMap | str | None = None,
     max_memory: str | Mapping[int | str, int | str] | None = None,
     offload_folder: str | os.PathLike[str] | None = None,
+    allow_missing_weights: bool = False,
 ) -> Loaded:
     """Load a transformers model by Hub id or local folder, in eval mode, on the chosen device.
 
     With a `device_map` ('auto', 'balanced', ...), transformers places it across GPUs, CPU and
     disk instead (accelerate underneath), within `max_memory` ('0=20GiB,cpu=30GiB' or a mapping),
     offloading to `offload_folder`; the returned `device` is where inputs go, the first module's.
+
+    A checkpoint without weights for some of the class's parameters (a head it was not saved
+    with) raises MissingWeightsError: transformers would initialise them at random. With
+    `allow_missing_weights` the model loads and `missing_weights` lists them.
     """
     import torch
     import transformers
@@ -216,14 +223,24 @@ def load_model(
     quiet = logging.getLogger("accelerate.big_modeling")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
+    # transformers' log while loading is held back: a refused load says why in one line, and
+    # its table of missing and unused weights is said here (missing) or changes nothing
+    # (unused); the rest is let through after a load that goes on.
+    held = _HeldLogs()
+    transformers_log = logging.getLogger("transformers")
+    handlers, propagate = transformers_log.handlers[:], transformers_log.propagate
+    transformers_log.handlers, transformers_log.propagate = [held], False
     try:
-        model = cls.from_pretrained(
+        model, info = cls.from_pretrained(
             str(source.path),
             dtype=getattr(torch, dtype.value),
             trust_remote_code=trust_remote_code,
+            output_loading_info=True,
             **extra,
         )
     except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc):
+            raise InputError(_uncovered_message(name, source.path, model_class_name)) from exc
         if "trust_remote_code" in str(exc):
             raise InputError(
                 f"model '{name}' needs its own code; rerun with --trust-remote-code if you trust it"
@@ -237,10 +254,24 @@ def load_model(
         raise InputError(f"can't load '{name}' as {model_class_name}: {first_line(exc)}") from exc
     finally:
         quiet.setLevel(level)
+        transformers_log.handlers, transformers_log.propagate = handlers, propagate
+    missing = missing_parameters(model, info.get("missing_keys") or ())
+    if missing and not allow_missing_weights:
+        raise MissingWeightsError(
+            _missing_message(name, type(model).__name__, missing, source.path),
+            model_class=type(model).__name__,
+            missing=missing,
+        )
+    held.let_through()
     if placement is None:
         model.to(target).eval()
         return Loaded(
-            model, source, dtype=dtype.value, device=target, model_class=type(model).__name__
+            model,
+            source,
+            dtype=dtype.value,
+            device=target,
+            model_class=type(model).__name__,
+            missing_weights=missing,
         )
     model.eval()
     return Loaded(
@@ -250,7 +281,87 @@ def load_model(
         device=str(placing.input_device(model)),
         model_class=type(model).__name__,
         device_map=dict(getattr(model, "hf_device_map", None) or {}),
+        missing_weights=missing,
     )
+
+
+class _HeldLogs(logging.Handler):
+    """transformers' log records, kept to be let through later (or dropped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def let_through(self) -> None:
+        """Each record but the report of missing and unused weights (5.x: one 'LOAD REPORT'
+        table; 4.x: 'Some weights of ...' paragraphs) to the handlers it was meant for."""
+        for record in self.records:
+            message = record.getMessage()
+            if not ("LOAD REPORT" in message or message.startswith("Some weights of")):
+                logging.getLogger(record.name).handle(record)
+        self.records.clear()
+
+
+def missing_parameters(model: nn.Module, missing_keys: Any) -> list[str]:
+    """The parameters among transformers' `missing_keys` that really start at random: not
+    buffers (rebuilt in `__init__`, as position_ids and rotary inv_freq are) and not a
+    parameter tied to one that was loaded (an LM head sharing the input embeddings)."""
+    aliases: dict[int, list[str]] = {}
+    for key, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(key)
+    names = {key: group for group in aliases.values() for key in group}
+    missing = set(missing_keys)
+    return sorted(
+        key for key in missing if key in names and all(alias in missing for alias in names[key])
+    )
+
+
+def _architectures(path: Path) -> list[str]:
+    import json
+
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    found = config.get("architectures") if isinstance(config, dict) else None
+    return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
+
+
+def describe_names(names: list[str], limit: int = 3) -> str:
+    """'cls.predictions.*' when the names share a dotted prefix, else the first few."""
+    prefix = os.path.commonprefix([n.split(".") for n in names]) if len(names) > 1 else []
+    if prefix:
+        return ".".join(prefix) + ".*"
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _missing_message(name: str, class_name: str, missing: list[str], path: Path) -> str:
+    saved = [a for a in _architectures(path) if a != class_name]
+    fix = (
+        f"it was saved as {saved[0]}: pass --model-class {saved[0]}"
+        if saved
+        else "pass --model-class with the class it was saved as"
+    )
+    return (
+        f"'{name}' has no weights for {len(missing)} parameter(s) of {class_name} "
+        f"({describe_names(missing)}), which would run randomly initialised; {fix}, or "
+        "--allow-missing-weights to run them anyway"
+    )
+
+
+def _uncovered_message(name: str, path: Path, model_class_name: str) -> str:
+    """transformers' 'Unrecognized configuration class ...' as one line naming the fix."""
+    saved = _architectures(path)
+    fix = (
+        f"pass --model-class {saved[0]} (the class it was saved as) or another for it"
+        if saved
+        else "pass --model-class with a class for it"
+    )
+    return f"{model_class_name} has no class for the model '{name}'; {fix}"
 
 
 def load_meta_model(

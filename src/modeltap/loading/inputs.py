@@ -173,6 +173,77 @@ def check_forward_names(model: nn.Module, inputs: Inputs) -> None:
         )
 
 
+# A contrastive dual encoder (CLIP, SigLIP, CLAP, X-CLIP...) scores text against an image, a
+# recording or a video in its forward, whose output says so with `logits_per_<kind>`: it needs
+# both inputs, while a vision-language model that merely accepts pixel_values does not.
+_PAIRED = {
+    "logits_per_image": ("pixel_values", "an image"),
+    "logits_per_audio": ("input_features", "audio"),
+    "logits_per_video": ("pixel_values", "a video"),
+}
+
+
+def check_paired_inputs(
+    model: nn.Module, inputs: Inputs, *, command: str = "modeltap dump"
+) -> None:
+    """A model whose forward compares text with an image (or audio) needs both: say which is
+    missing before the forward fails inside a tower on None."""
+    paired = _paired_input(model)
+    if paired is None:
+        return
+    other, kind = paired
+    try:
+        names = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return
+    given = set(inputs.kwargs) | set(names[: len(inputs.args)])
+    if other not in names or "input_ids" not in names:
+        return
+    cls = type(model).__name__
+    tower = _tower_class(cls, "Text" if "input_ids" in given else kind)
+    alone = f", or --model-class {tower} for that tower alone" if tower else ""
+    example = f'{command} MODEL {"speech.wav" if kind == "audio" else "cat.jpg"} "a cat"'
+    if "input_ids" not in given:
+        raise InputError(
+            f"{cls} compares text with {kind} in its forward and got no text; give a TEXT "
+            f"beside the file (`{example}`){alone}"
+        )
+    if other not in given:
+        raise InputError(
+            f"{cls} compares text with {kind} in its forward and got only text; give "
+            f"{kind} FILE beside the TEXT (`{example}`){alone}"
+        )
+
+
+def _paired_input(model: nn.Module) -> tuple[str, str] | None:
+    """(the other input, its kind) for a forward that returns `logits_per_<kind>`."""
+    import dataclasses
+    import typing
+
+    try:
+        returned = inspect.signature(type(model).forward).return_annotation
+    except (TypeError, ValueError):
+        return None
+    for candidate in (returned, *typing.get_args(returned)):
+        if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
+            fields = {f.name for f in dataclasses.fields(candidate)}
+            for field_name, paired in _PAIRED.items():
+                if field_name in fields:
+                    return paired
+    return None
+
+
+def _tower_class(cls: str, kind: str) -> str | None:
+    """CLIPModel -> CLIPTextModel / CLIPVisionModel, where transformers has that class."""
+    import transformers
+
+    if not cls.endswith("Model"):
+        return None
+    part = {"Text": "Text", "an image": "Vision", "audio": "Audio", "a video": "Vision"}[kind]
+    name = f"{cls[: -len('Model')]}{part}Model"
+    return name if hasattr(transformers, name) else None
+
+
 def add_decoder_inputs(model: nn.Module, inputs: Inputs) -> Inputs:
     """Models whose forward takes `decoder_input_ids` get the decoder start token if none given.
 

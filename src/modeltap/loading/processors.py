@@ -12,7 +12,8 @@ import inspect
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -33,10 +34,32 @@ class Kind(str, Enum):
 IMAGE_FORMATS = "PNG, JPEG, WebP, BMP, TIFF"
 AUDIO_FORMATS = "WAV, FLAC, OGG, MP3"
 _TENSOR_SUFFIXES = (".safetensors", ".npy", ".npz", ".pt", ".pth")
+# Names that are meant as files: a positional value ending so that does not exist is an error,
+# not a sentence about a file.
+_FILE_SUFFIXES = frozenset(
+    {
+        *(".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif", ".heic"),
+        *(".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".m4a", ".aac"),
+        *(".mp4", ".mov", ".avi", ".mkv", ".webm"),
+        *_TENSOR_SUFFIXES,
+    }
+)
+# The command-line options a hint may name; a caller passes the flags its command has
+# (`offered`), None meaning all of them (the library's own use).
+Offered = Collection[str] | None
 
 
-def classify(path: str | os.PathLike[str]) -> Kind:
-    """An image or an audio file, by its first bytes; anything else is refused with the formats."""
+def _has(offered: Offered, flag: str) -> bool:
+    return offered is None or flag in offered
+
+
+def _either(fixes: list[str]) -> str:
+    return ", or ".join(fixes)
+
+
+def classify(path: str | os.PathLike[str], *, offered: Offered = None) -> Kind:
+    """An image or an audio file, by its first bytes; anything else is refused with the formats
+    (and the options of `offered` that would take it)."""
     p = Path(path)
     with open(p, "rb") as f:
         head = f.read(16)
@@ -58,11 +81,22 @@ def classify(path: str | os.PathLike[str]) -> Kind:
     ):
         return Kind.audio
     if p.suffix.lower() in _TENSOR_SUFFIXES:
-        raise InputError(f"'{p.name}' holds tensors, not an image or audio; pass --input-file {p}")
+        fix = f"pass --input-file {p}" if _has(offered, "--input-file") else "give text or files"
+        raise InputError(f"'{p.name}' holds tensors, not an image or audio; {fix}")
+    fixes = ["convert it"]
+    if _has(offered, "--text"):
+        fixes.append("pass it with --text to run its name as text")
     raise InputError(
         f"'{p}' is not a supported image ({IMAGE_FORMATS}) or audio ({AUDIO_FORMATS}) file; "
-        "convert it, or pass it with --text to run its name as text"
+        + _either(fixes)
     )
+
+
+def looks_like_file(value: str) -> bool:
+    """A value with a media or tensor file suffix and no spaces (or with a folder part)."""
+    if Path(value).suffix.lower() not in _FILE_SUFFIXES:
+        return False
+    return "/" in value or os.sep in value or not any(c.isspace() for c in value)
 
 
 @dataclass
@@ -84,9 +118,11 @@ def sort_inputs(
     images: Sequence[str | os.PathLike[str]] = (),
     audio: Sequence[str | os.PathLike[str]] = (),
     texts: Sequence[str] = (),
+    offered: Offered = None,
 ) -> Media:
     """Positional values that are existing files are images or audio by content, the rest text;
-    `images`, `audio` and `texts` (--image, --audio, --text) are taken as given."""
+    `images`, `audio` and `texts` (--image, --audio, --text) are taken as given. A value named
+    like a file (cat.jpg) that does not exist is an error, not text."""
     media = Media(list(texts), [Path(p) for p in images], [Path(p) for p in audio])
     for given, option in ((media.images, "--image"), (media.audio, "--audio")):
         for p in given:
@@ -94,13 +130,20 @@ def sort_inputs(
                 raise InputError(f"no file '{p}'; check {option}")
     for value in positionals:
         if os.path.isdir(value):
-            raise InputError(
-                f"'{value}' is a folder; pass --images-dir {value} or --audio-dir {value}, "
-                "or --text to run its name as text"
-            )
+            fixes = [f"{flag} {value}" for flag in ("--images-dir", "--audio-dir")]
+            fixes = [fix for fix in fixes if _has(offered, fix.split()[0])]
+            if _has(offered, "--text"):
+                fixes.append(f"--text '{value}' to run its name as text")
+            fix = "pass " + _either(fixes) if fixes else "give the files in it one by one"
+            raise InputError(f"'{value}' is a folder; {fix}")
         if os.path.isfile(value):
-            kind = classify(value)
+            kind = classify(value, offered=offered)
             (media.images if kind is Kind.image else media.audio).append(Path(value))
+        elif looks_like_file(value):
+            fixes = ["check the path"]
+            if _has(offered, "--text"):
+                fixes.append(f"pass --text '{value}' to run it as text")
+            raise InputError(f"no file '{value}'; " + _either(fixes))
         else:
             media.texts.append(value)
     return media
@@ -171,17 +214,30 @@ class Audio:
     wave: np.ndarray
     rate: int
     note: str | None = None
+    # A recording longer than the feature extractor's window: its length, and the window kept.
+    seconds: float = 0.0
+    window_s: float | None = None
 
 
 def read_audio(path: Path, rate: int) -> Audio:
-    """Mono float32 samples at `rate`: channels averaged, other rates resampled (with a note)."""
+    """Mono float32 samples at `rate`: channels averaged, other rates resampled (with a note).
+    A file holding fewer frames than its header says (cut off in a copy or a download) is
+    refused: libsndfile reads what is there without a word."""
     sf = _import("soundfile", "audio")
     try:
-        data, file_rate = sf.read(str(path), dtype="float32", always_2d=True)
+        with _quiet_stderr():  # mpg123 prints its own warnings about a damaged MP3
+            declared = sf.info(str(path)).frames
+            data, file_rate = sf.read(str(path), dtype="float32", always_2d=True)
     except Exception as exc:  # soundfile raises LibsndfileError (a RuntimeError) or others
         raise InputError(f"can't read audio '{path}' ({first_line(exc)}); check the file") from exc
     if data.shape[0] == 0:
         raise InputError(f"audio '{path}' has no samples; give a recording that is not empty")
+    declared, slack = _declared_frames(path, declared)
+    if declared is not None and data.shape[0] < declared - slack:
+        raise InputError(
+            f"audio '{path}' is truncated: its header says {declared} frames and it holds "
+            f"{data.shape[0]}; give the whole file"
+        )
     wave = data.mean(axis=1, dtype="float32") if data.shape[1] > 1 else data[:, 0]
     notes = []
     if data.shape[1] > 1:
@@ -190,6 +246,77 @@ def read_audio(path: Path, rate: int) -> Audio:
         wave = resample(wave, file_rate, rate)
         notes.append(f"resampled from {file_rate} Hz to {rate} Hz")
     return Audio(wave, rate, "; ".join(notes) or None)
+
+
+def _declared_frames(path: Path, libsndfile_frames: int) -> tuple[int | None, int]:
+    """(frames the file's header promises, how many fewer may be read) for the formats that
+    say: a WAV's data chunk size (libsndfile reports what is there instead), FLAC's STREAMINFO
+    total, and an MP3's Xing, Info or VBRI count (libsndfile's `frames`, with two MP3 frames of
+    slack for encoder delay and padding; without such a header the count is only estimated
+    from the size). None where the header holds no count."""
+    with open(path, "rb") as f:
+        head = f.read(12)
+        if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+            return _wav_frames(f), 0
+        if head.startswith(b"fLaC"):
+            return libsndfile_frames or None, 0
+        if _has_frame_count(f, head):
+            return libsndfile_frames or None, 2 * 1152
+    return None, 0
+
+
+def _has_frame_count(f: Any, head: bytes) -> bool:
+    """An MP3 whose first frame is a Xing, Info or VBRI header (after any ID3v2 tag)."""
+    start = 0
+    if head.startswith(b"ID3") and len(head) >= 10:
+        size = (head[6] & 0x7F) << 21 | (head[7] & 0x7F) << 14 | (head[8] & 0x7F) << 7
+        start = 10 + (size | (head[9] & 0x7F)) + (10 if head[5] & 0x10 else 0)
+    f.seek(start)
+    frame = f.read(200)
+    if len(frame) < 4 or frame[0] != 0xFF or (frame[1] & 0xE6) != 0xE2:
+        return False
+    return any(tag in frame for tag in (b"Xing", b"Info", b"VBRI"))
+
+
+def _wav_frames(f: Any) -> int | None:
+    """The frame count of a RIFF WAVE's data chunk size, read after the 12-byte RIFF header;
+    None for a streaming writer's placeholder size (0 or 0xFFFFFFFF)."""
+    import struct
+
+    block_align = None
+    while True:
+        chunk = f.read(8)
+        if len(chunk) < 8:
+            return None
+        name, size = chunk[:4], struct.unpack("<I", chunk[4:])[0]
+        if name == b"fmt ":
+            fmt = f.read(size + (size & 1))
+            if len(fmt) < 14:
+                return None
+            block_align = struct.unpack("<H", fmt[12:14])[0]
+            continue
+        if name == b"data":
+            if block_align in (None, 0) or size in (0, 0xFFFFFFFF):
+                return None
+            return size // block_align
+        f.seek(size + (size & 1), os.SEEK_CUR)
+
+
+@contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null: C libraries write their warnings there directly."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def resample(wave: np.ndarray, orig: int, new: int) -> np.ndarray:
@@ -219,7 +346,11 @@ def resample(wave: np.ndarray, orig: int, new: int) -> np.ndarray:
 
 
 def load_processor(
-    where: str | os.PathLike[str], *, revision: str | None = None, trust_remote_code: bool = False
+    where: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    offered: Offered = None,
 ) -> Any:
     """The model's processor: AutoProcessor, else its image processor, feature extractor or
     tokenizer alone, from the files next to the model (or `--processor`)."""
@@ -245,10 +376,12 @@ def load_processor(
                 continue
     finally:
         transformers.logging.set_verbosity(quiet)
-    raise InputError(
-        f"no processor for '{where}' (not in the folder or the offline cache); "
+    fix = (
         "pass --processor with a folder or id that has one"
+        if _has(offered, "--processor")
+        else "give a model whose folder has one"
     )
+    raise InputError(f"no processor for '{where}' (not in the folder or the offline cache); {fix}")
 
 
 @dataclass
@@ -278,30 +411,42 @@ def _parts(processor: Any) -> _Parts:
 
 
 def processor_inputs(
-    processor: Any, media: Media, *, max_length: int | None = None, chat: bool = False
+    processor: Any,
+    media: Media,
+    *,
+    max_length: int | None = None,
+    chat: bool = False,
+    offered: Offered = None,
 ) -> Inputs:
     """Images, audio and texts through `processor` in one call, as one padded batch; `chat`
-    first makes the one text and the files a user turn of the processor's chat template."""
+    first makes the one text and the files a user turn of the processor's chat template.
+    Recordings longer than a feature extractor's window (Whisper's 30 s) are cut by it: each
+    such file's entry says so (`window_s`, `seconds`, `note`)."""
     parts = _parts(processor)
     name = type(processor).__name__
-    if media.images and parts.image is None:
-        raise InputError(
-            f"the model's processor ({name}) takes no images; give text, or --processor with "
-            "one that has an image processor"
-        )
-    if media.audio and parts.audio is None:
-        raise InputError(
-            f"the model's processor ({name}) takes no audio; give text, or --processor with "
-            "one that has a feature extractor"
-        )
+    for given, part, what, has in (
+        (media.images, parts.image, "images", "an image processor"),
+        (media.audio, parts.audio, "audio", "a feature extractor"),
+    ):
+        if given and part is None:
+            fixes = ["give text"]
+            if _has(offered, "--processor"):
+                fixes.append(f"--processor with one that has {has}")
+            raise InputError(f"the model's processor ({name}) takes no {what}; {_either(fixes)}")
     if media.texts and parts.tokenizer is None:
         raise InputError(
             f"the model's processor ({name}) takes no text; give only image or audio files"
         )
-    prompt = _chat_prompt(processor, media) if chat else None
+    prompt = _chat_prompt(processor, media, offered) if chat else None
     images = [read_image(p) for p in media.images]
     rate = int(getattr(parts.audio, "sampling_rate", 0) or 16000)
     sounds = [read_audio(p, rate) for p in media.audio]
+    window = _window(parts.audio)
+    for sound in sounds:
+        if window is not None and len(sound.wave) > window:
+            sound.seconds, sound.window_s = len(sound.wave) / rate, window / rate
+            cut = f"cut to the feature extractor's {sound.window_s:g} s window"
+            sound.note = f"{sound.note}; {cut}" if sound.note else cut
     waves = [a.wave for a in sounds]
     texts = list(media.texts)
     if prompt is not None:
@@ -329,7 +474,8 @@ def processor_inputs(
         raise
     except Exception as exc:  # a processor raises ValueError, TypeError... for what it can't do
         message = _batch_message(exc, media, images, sounds)
-        if not chat and media.texts and getattr(processor, "chat_template", None):
+        chat_template = getattr(processor, "chat_template", None)
+        if not chat and media.texts and chat_template and _has(offered, "--chat"):
             message += "; or add --chat to build the prompt with its chat template"
         raise InputError(message) from exc
     kwargs = {k: v for k, v in dict(encoded).items() if hasattr(v, "shape")}
@@ -344,7 +490,10 @@ def processor_inputs(
         description["chat_prompt"] = prompt
     files = [_file_entry(p, "image") for p in media.images]
     for p, a in zip(media.audio, sounds, strict=True):
-        files.append({**_file_entry(p, "audio"), **({"note": a.note} if a.note else {})})
+        entry = _file_entry(p, "audio")
+        if a.window_s is not None:
+            entry.update(seconds=round(a.seconds, 3), window_s=a.window_s)
+        files.append({**entry, **({"note": a.note} if a.note else {})})
     description["files"] = files
     if max_length is not None:
         description["max_length"] = max_length
@@ -352,15 +501,31 @@ def processor_inputs(
     return Inputs((), kwargs, description)
 
 
-def _chat_prompt(processor: Any, media: Media) -> str:
+def _window(extractor: Any) -> int | None:
+    """Samples a feature extractor keeps of a longer recording: Whisper's `n_samples` (30 s),
+    where its call truncates by default; None for extractors that take any length."""
+    window = getattr(extractor, "n_samples", None)
+    if not isinstance(window, int) or window <= 0:
+        return None
+    try:
+        truncates = inspect.signature(extractor.__call__).parameters["truncation"].default
+    except (KeyError, TypeError, ValueError):
+        return None
+    return window if truncates is True else None
+
+
+def _chat_prompt(processor: Any, media: Media, offered: Offered = None) -> str:
     """The one text and every file as one user turn, through the chat template, with the
     generation prompt after it (as the model's chat pipeline builds it)."""
     if len(media.texts) != 1:
         raise InputError(f"--chat makes one user turn; give one TEXT (got {len(media.texts)})")
     if not getattr(processor, "chat_template", None):
+        fixes = ["drop --chat"]
+        if _has(offered, "--processor"):
+            fixes.append("pass --processor with one that has")
         raise InputError(
             f"the model's processor ({type(processor).__name__}) has no chat template; "
-            "drop --chat, or pass --processor with one that has"
+            + _either(fixes)
         )
     text = media.texts[0]
     content: Any = text
