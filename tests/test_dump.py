@@ -159,6 +159,27 @@ def test_generate_header_grows_with_its_metadata_not_its_reservation(tmp_path):
     assert any(k.startswith(f"gen/step{steps - 1}/decoder") for k in dump.stats)
 
 
+def test_seeded_dump_draws_what_a_seeded_forward_draws_without_torch_manual_seed(
+    tmp_path, monkeypatch
+):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Dropout(0.5))
+    x = torch.randn(3, 4)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        expected = model.train()(x)  # the reference: torch's own seeding, dropout on
+    model.eval()
+
+    def refuse(seed):
+        raise AssertionError("torch.manual_seed formats the stack for each idle device runtime")
+
+    # (1.1 ms of a small dump's CPU in a new process)
+    monkeypatch.setattr(torch, "manual_seed", refuse)
+    path = dump_model(model, _inputs(x), tmp_path / "d.safetensors", train_mode=True, seed=7)
+    assert torch.equal(load_file(path)["1"], expected)
+    assert not model.training
+
+
 def test_header_is_padded_and_aligned(tmp_path):
     with DumpWriter(tmp_path / "d.safetensors") as writer:
         writer.tensor("x", torch.arange(6, dtype=torch.int64).reshape(2, 3))

@@ -138,7 +138,7 @@ def dump_model(
             }
         else:
             if seed is not None:
-                torch.manual_seed(seed)
+                manual_seed(seed)
             with hooks(model, modules, sink, inputs=capture_inputs, train_mode=train_mode) as rec:
                 with torch.no_grad():
                     run_model(model, inputs.args, inputs.kwargs)
@@ -158,6 +158,31 @@ def dump_model(
             "devices": json.dumps(sink.devices),
         }
         return writer.finish(meta)
+
+
+def manual_seed(seed: int) -> None:
+    """`torch.manual_seed(seed)` for every generator a forward can draw from: the CPU's and
+    those of the device runtimes already started (a model on a GPU has started it).
+
+    torch.manual_seed also queues a seed for each runtime not started (CUDA, XPU, MTIA), with a
+    formatted call stack each: 1.1 ms of CPU in a new process, a sixth of what a small dump
+    costs over bare hooks. Where a runtime can't be asked whether it started, or MPS or a
+    custom device is present, torch.manual_seed is called as it is.
+    """
+    import torch
+
+    runtimes = [getattr(torch, name, None) for name in ("cuda", "xpu", "mtia")]
+    plain = all(hasattr(m, "is_initialized") for m in runtimes if m is not None)
+    mps = getattr(torch.backends, "mps", None)
+    plain = plain and not (mps is not None and mps.is_available())
+    plain = plain and not hasattr(torch, torch._C._get_privateuse1_backend_name())
+    if not plain:
+        torch.manual_seed(seed)
+        return
+    for runtime in runtimes:
+        if runtime is not None and runtime.is_initialized():
+            runtime.manual_seed_all(seed)
+    torch.default_generator.manual_seed(seed)
 
 
 def _processed_input_keys(inputs: Inputs) -> list[str]:
