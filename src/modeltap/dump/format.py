@@ -36,8 +36,6 @@ METADATA_KEYS = {
     "model_class": "class that loaded the model, e.g. BertModel",
     "missing_weights": "JSON list, with --allow-missing-weights: parameters the checkpoint had no "
     "weights for (randomly initialised)",
-    "missing_weights": "JSON list, with --allow-missing-weights: parameters the checkpoint had no "
-    "weights for (randomly initialised)",
     "inputs": "JSON: texts, or input file name and sha256, and the input tensors' shapes; "
     "with images/audio: processor class, processor_sha256 and each file's name, kind, sha256",
     "dtype": "model dtype",
