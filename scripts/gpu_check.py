@@ -81,7 +81,7 @@ def build(folder: Path, tiny: bool, device: str) -> int:
     torch.set_default_dtype(torch.bfloat16)  # built in bf16: no float32 copy of 1.1B weights
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config).eval()
+            model = LlamaForCausalLM(config).to(torch.bfloat16).eval()  # whatever init made
     finally:
         torch.set_default_dtype(default)
     model.generation_config.eos_token_id = None  # every run makes all its new tokens
