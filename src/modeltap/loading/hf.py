@@ -252,6 +252,11 @@ def load_model(
         raise InputError(f"can't load '{name}' as {model_class_name}: {first_line(exc)}") from exc
     except (OSError, KeyError) as exc:
         raise InputError(f"can't load '{name}' as {model_class_name}: {first_line(exc)}") from exc
+    except BaseException:
+        # transformers' own error (weights of other shapes...) points at its report: show it
+        transformers_log.handlers, transformers_log.propagate = handlers, propagate
+        held.let_through(report=True)
+        raise
     finally:
         quiet.setLevel(level)
         transformers_log.handlers, transformers_log.propagate = handlers, propagate
@@ -295,12 +300,13 @@ class _HeldLogs(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
 
-    def let_through(self) -> None:
-        """Each record but the report of missing and unused weights (5.x: one 'LOAD REPORT'
-        table; 4.x: 'Some weights of ...' paragraphs) to the handlers it was meant for."""
+    def let_through(self, *, report: bool = False) -> None:
+        """Each record to the handlers it was meant for, but the report of missing and unused
+        weights (5.x: one 'LOAD REPORT' table; 4.x: 'Some weights of ...' paragraphs) unless
+        `report`."""
         for record in self.records:
             message = record.getMessage()
-            if not ("LOAD REPORT" in message or message.startswith("Some weights of")):
+            if report or not ("LOAD REPORT" in message or message.startswith("Some weights of")):
                 logging.getLogger(record.name).handle(record)
         self.records.clear()
 
