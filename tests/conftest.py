@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # The whole suite runs on pytest-xdist workers, one per CPU (tests/fixtures/parallel.py says how
 # and what shares a worker); `-n 0` or `-p no:xdist` runs it in this one process.
 pytest_cmdline_main = parallel.pytest_cmdline_main
+pytest_configure_node = parallel.pytest_configure_node
 pytest_xdist_auto_num_workers = parallel.pytest_xdist_auto_num_workers
 pytest_collection_modifyitems = parallel.pytest_collection_modifyitems
 parallel.share_the_cpus()
