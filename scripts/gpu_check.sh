@@ -22,8 +22,13 @@ skip() {
 sees_cuda() { "$1" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; }
 
 candidates=()
+seen=" "
 for py in "${PYTHON:-}" .venv/bin/python python3; do
-  if [ -n "$py" ] && command -v "$py" >/dev/null; then candidates+=("$py"); fi
+  [ -n "$py" ] && command -v "$py" >/dev/null || continue
+  real=$(realpath "$(command -v "$py")")
+  case "$seen" in *" $real "*) continue ;; esac
+  seen="$seen$real "
+  candidates+=("$py")
 done
 [ ${#candidates[@]} -gt 0 ] || skip "no Python found (set PYTHON)"
 
