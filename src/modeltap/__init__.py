@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from modeltap._version import __version__
 
 # `capture` and `record` are both a function here and a package beside this file. Each package is
 # imported first (light: its modules load on first use) and the function defined after it, so that

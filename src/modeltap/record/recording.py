@@ -974,7 +974,7 @@ class Recording:
     def _common_meta(self) -> dict[str, str]:
         import torch
 
-        from modeltap import __version__
+        from modeltap._version import __version__
 
         meta = {"modeltap_version": __version__, "torch": torch.__version__}
         if "transformers" in sys.modules:
