@@ -594,3 +594,24 @@ def test_gradscaler_skipped_step_is_not_reported_vanishing(tmp_path):
     from modeltap.render.tables import run_table  # what `show DIR` prints
 
     assert "vanishing" not in run_table(read_run(tmp_path / "run"), 0, width=120).plain
+
+
+def test_device_statistics_finish_from_numbers_the_writer_copied():
+    """A CUDA dump copies each tensor's statistics numbers to pinned memory and lets go of the
+    device vector before finishing them (dump/writer.py): the first GPU run failed every CUDA dump
+    on `assert self.numbers is not None`. The device path, run here on a CPU tensor."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 40) * 3.0 + 1.0
+    x[2, 5] = 0.0
+    base = {"shape": [6, 40], "dtype": "float32", "numel": 240}
+    options = {"dead_threshold": 0.0, "row_mask": None, "count_zeros": True, "hist": False}
+    pending = stats_module._device_stats(x, base, **options)
+    numbers = pending.numbers.tolist()
+    pending.numbers = None  # as the writer does once its non-blocking copy is queued
+    got = pending.result(numbers)
+    ref = x.double()
+    assert (got.numel, got.min, got.max) == (240, float(x.min()), float(x.max()))
+    assert got.mean == pytest.approx(ref.mean().item(), rel=1e-7)
+    assert got.std == pytest.approx(ref.std().item(), rel=1e-6)
+    assert got.norm == pytest.approx(ref.norm().item(), rel=1e-7)
+    assert got.zeros == 1

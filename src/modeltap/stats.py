@@ -152,8 +152,10 @@ class PendingStats:
 
     def result(self, numbers: list[float] | None = None) -> TensorStats:
         if self.done is None:
-            assert self.numbers is not None
-            self.done = self._finish(self.numbers.tolist() if numbers is None else numbers)
+            if numbers is None:  # else the caller copied them and let go of `self.numbers`
+                assert self.numbers is not None
+                numbers = self.numbers.tolist()
+            self.done = self._finish(numbers)
             self.numbers = None
             if self.hist is not None:
                 self.done = replace(self.done, hist=self.hist.tolist())
