@@ -281,7 +281,7 @@ def _generate_case() -> Case:
         lambda state, path: bench_generate.bare(*state),
         lambda state, path: bench_generate.tapped(*state, path, "none"),
         1.3,
-        (*IMPORTS, "modeltap.generate.run"),
+        (*IMPORTS, "modeltap.generate.decode"),
     )
 
 

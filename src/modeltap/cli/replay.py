@@ -46,8 +46,8 @@ def replay(
     when it does, 1 when it does not."""
     from modeltap.dump import load_dump
     from modeltap.loading.factory import is_factory, load_factory
+    from modeltap.record.flight_replay import replay as run_replay
     from modeltap.record.index import read_run
-    from modeltap.record.replay import replay as run_replay
 
     path = read_run(run_dir).step_file(step, rank)  # before loading anything
     meta = load_dump(path).metadata

@@ -1,6 +1,6 @@
 """Decoding steps as a sequence of captures: `model.generate()` with every step's forward hooked.
 
-Modules: `keys` (the step prefix), `options` (Decoding, StepPlan, prompt and checks), `run`
+Modules: `keys` (the step prefix), `options` (Decoding, StepPlan, prompt and checks), `decode`
 (`generate_model`), `reader` (`step_view` and the metadata).
 
 Step 0 is the prompt's forward (the prefill; for an encoder-decoder the encoder's forward too), step
@@ -17,6 +17,7 @@ ids and text of each row, each step's chosen token with its probability and the 
 steps hold tensors, forwards outside the loop, and why decoding stopped.
 """
 
+from modeltap.generate.decode import Generated, generate_model
 from modeltap.generate.keys import CACHE_MODULE, STEP_PREFIX, split_step, step_key
 from modeltap.generate.options import (
     Decoding,
@@ -26,7 +27,6 @@ from modeltap.generate.options import (
     prompt_inputs,
 )
 from modeltap.generate.reader import StepDump, generation_meta, step_view, steps_of
-from modeltap.generate.run import Generated, generate_model
 
 __all__ = [
     "CACHE_MODULE",

@@ -1,9 +1,9 @@
 """`modeltap grads` as a package: spec.py (what to differentiate: GradSpec, the output gradient),
-run.py (one forward and one backward, streaming gradients to the dump), losses.py (--loss lm/mlm),
-jacobian.py (Hutchinson norm estimates)."""
+backward.py (one forward and one backward, streaming gradients to the dump), losses.py (--loss
+lm/mlm), jacobian.py (Hutchinson norm estimates)."""
 
+from modeltap.grads.backward import GradRun, run_grads
 from modeltap.grads.jacobian import JacobianNorm, jacobian_norms
-from modeltap.grads.run import GradRun, run_grads
 from modeltap.grads.spec import LOSSES, PROBES, GradSpec, parse_grad_output, seed_tensor
 
 __all__ = [
