@@ -847,3 +847,27 @@ def test_a_float16_backward_overflow_on_an_unrecorded_step_is_named_by_the_rerun
     assert (trip.step, trip.phase, trip.module, trip.key) == (3, "backward", "1", "grad/0")
     assert trip.unreproduced is None
     assert _trip_fields(trip) == _trip_fields(trips[True])
+
+
+
+def test_the_verbs_stay_bound_over_their_packages(tmp_path: Path) -> None:
+    # `modeltap.record` and `modeltap.capture` are verbs and packages of the same names. A new
+    # process imports a module of each package first (the import system binds a package on its
+    # parent at the package's first import): the names must still call the verbs.
+    code = f"""
+import modeltap.record.recording, modeltap.capture.eager, pathlib, torch
+import modeltap
+from modeltap.record import Recording
+torch.manual_seed(0)
+net, x, run = torch.nn.Linear(3, 2), torch.randn(4, 3), pathlib.Path({str(tmp_path)!r})
+with modeltap.record(net, run, every=1) as rec:
+    net(x).sum().backward()
+    rec.step()
+assert isinstance(rec, Recording)
+plain = torch.nn.functional.linear(x, net.weight, net.bias)
+assert torch.equal(modeltap.capture(net, x)["__root__"], plain)
+print(*sorted(p.name for p in run.glob("step*")))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["step000000.rank0.safetensors"]

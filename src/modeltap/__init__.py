@@ -1,6 +1,9 @@
 """modeltap: per-layer activations of PyTorch and Hugging Face models, from one command.
 
 The public API is imported lazily so that `import modeltap` (and `modeltap --help`) stays instant.
+`capture` and `record` are verbs here and packages beside this file: `over_package` imports each
+package before its verb is bound, so `modeltap.record` is the verb after any import, and the
+package is `sys.modules["modeltap.record"]` (`from modeltap.record import Recording` works).
 """
 
 from __future__ import annotations
@@ -8,15 +11,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from modeltap._lazy import over_package
 from modeltap._version import __version__
 
-# `capture` and `record` are both a function here and a package beside this file. Each package is
-# imported first (light: its modules load on first use) and the function defined after it, so that
-# the front, which imports the real function on its first call, is what stays bound here.
-importlib.import_module("modeltap.capture")
-importlib.import_module("modeltap.record")
 
-
+@over_package
 def capture(
     model: Any,
     *args: Any,
@@ -34,6 +33,7 @@ def capture(
     return run(model, *args, **options, **kwargs)
 
 
+@over_package
 def record(model: Any, out_dir: Any, **options: Any) -> Any:
     """Record `model` inside a training loop: `with modeltap.record(model, "runs/x") as rec:
     ... rec.step()`; options as `modeltap.record.recording.record`."""

@@ -1,12 +1,15 @@
 """Names of a package imported from their modules when first used (PEP 562), so that importing
-the package is free and `modeltap --help` or `modeltap show` loads only the modules it needs."""
+the package is free and `modeltap --help` or `modeltap show` loads only the modules it needs; and
+the facade's verbs that share a name with a subpackage (`over_package`)."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def lazy_names(package: str, homes: dict[str, str]) -> Callable[[str], Any]:
@@ -20,3 +23,13 @@ def lazy_names(package: str, homes: dict[str, str]) -> Callable[[str], Any]:
         return value
 
     return __getattr__
+
+
+def over_package(verb: F) -> F:
+    """Decorate a facade verb named like a subpackage beside it (`modeltap.record`, the function,
+    and `modeltap/record/`): the package is imported before the verb is bound. The import system
+    binds a package on its parent once, at the package's first import; done here, that binding
+    comes first and the verb's after it, so no later import (`import modeltap.record.index`)
+    puts the package back in the verb's place."""
+    importlib.import_module(f"{verb.__module__}.{verb.__name__}")
+    return verb
