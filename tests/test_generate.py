@@ -691,8 +691,8 @@ def test_compare_generate_judges_steps_with_the_accumulated_allowance(
 ) -> None:
     """Each step's outputs are cumulative errors: compare --generate widens the preset for
     accumulated rounding as compare does (the fp32 preset's accumulated_scaled_atol)."""
-    from modeltap import generation_diff
     from modeltap.config import read_preset
+    from modeltap.diff import generations as generation_diff
 
     seen = {}
 

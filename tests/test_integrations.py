@@ -564,7 +564,7 @@ def test_run_diff_names_the_step_and_layer_where_two_runs_part(
     from typer.testing import CliRunner
 
     from modeltap.cli import app
-    from modeltap.record.rundiff import diff_runs
+    from modeltap.diff import diff_runs
 
     _run_with_fault(tmp_path / "a", None, full_every=full_every)
     _run_with_fault(tmp_path / "b", 20, full_every=full_every)

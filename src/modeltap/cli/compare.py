@@ -18,6 +18,7 @@ from modeltap.cli.app import (
     stdout,
     write_atomically,
 )
+from modeltap.cli.inputs import offered_flags, sorted_inputs
 from modeltap.cli.options import (
     KEYS,
     OUTPUT,
@@ -43,6 +44,7 @@ from modeltap.cli.options import (
     TrainModeOpt,
     TrustOpt,
 )
+from modeltap.cli.printing import note, write_html
 from modeltap.config import Settings
 from modeltap.errors import InputError
 
@@ -253,31 +255,18 @@ def compare_command(
             )
         raise InputError("nothing to run on; give TEXT or --input-file")
     preset_name = s.preset or _default_preset(DEFAULT_PRESET[variant.kind])
-    from modeltap.compare import Options
-    from modeltap.config import accumulated_allowance, tolerance_values
-    from modeltap.diff import Tolerance
-    from modeltap.dump import check_writable
-
-    values = tolerance_values(s, atol=atol, rtol=rtol, preset=preset_name)
-    options = Options(
-        tolerance=Tolerance(**values),
-        overrides=[(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()],
-        accumulated_scaled_atol=accumulated_allowance(s, preset_name),
-        equal_nan=s.equal_nan,
-        train_mode=s.train_mode,
-        seed=s.seed,
-    )
+    options = _options(s, preset_name, atol=atol, rtol=rtol)
     if junit is not None:
+        from modeltap.dump import check_writable
+
         check_writable(junit, "--junit")
     if html is not None:
-        from modeltap.cli.report import check_html_target
+        from modeltap.render.report.write import check_html_target
 
         check_html_target(html)
     work = _out_dir(s.out_dir)
     if generate is not None:
-        from modeltap.cli.generate import run_compare_generate
-
-        passed = run_compare_generate(
+        passed = _compare_generation(
             s, variant, options, work, seed_given=seed is not None,
             class_given=model_class is not None, json_out=json_out, show_all=show_all,
             refused={
@@ -289,6 +278,37 @@ def compare_command(
 
     report = _run(s, variant, options, work)
     report.preset = preset_name
+    _write_report(report, work, junit=junit, html=html, json_out=json_out, show_all=show_all)
+    raise typer.Exit(0 if report.passed else 1)
+
+
+def _options(s: Settings, preset_name: str, *, atol: float | None, rtol: float | None) -> Any:
+    """compare's tolerances (preset < settings < flags) and run options."""
+    from modeltap.compare import Options
+    from modeltap.config import accumulated_allowance, tolerance_values
+    from modeltap.diff import Tolerance
+
+    values = tolerance_values(s, atol=atol, rtol=rtol, preset=preset_name)
+    return Options(
+        tolerance=Tolerance(**values),
+        overrides=[(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()],
+        accumulated_scaled_atol=accumulated_allowance(s, preset_name),
+        equal_nan=s.equal_nan,
+        train_mode=s.train_mode,
+        seed=s.seed,
+    )
+
+
+def _write_report(
+    report: Any,
+    work: Path | None,
+    *,
+    junit: Path | None,
+    html: Path | None,
+    json_out: bool,
+    show_all: bool,
+) -> None:
+    """report.json in --out-dir, the JUnit XML, the HTML page, then the report on stdout."""
     if work is not None:
         write_atomically(work / REPORT_FILE, json.dumps(report.to_json(), indent=1))
     if junit is not None:
@@ -302,8 +322,8 @@ def compare_command(
         }
         write_atomically(junit, junit_xml(report.cumulative, name="modeltap compare", notes=notes))
     if html is not None:
-        from modeltap.cli.report import invocation, write_html
         from modeltap.render.report import compare_page
+        from modeltap.render.report.write import invocation
 
         command = invocation("compare", ["--html", str(html)])
         write_html(html, compare_page(report.to_json(), command=command))
@@ -321,13 +341,49 @@ def compare_command(
         stderr().print(
             f"wrote {work}/: candidate.safetensors, reference.safetensors, {REPORT_FILE}"
         )
-    raise typer.Exit(0 if report.passed else 1)
+
+
+def _compare_generation(
+    s: Settings,
+    variant: Any,
+    options: Any,
+    work: Path | None,
+    *,
+    seed_given: bool,
+    class_given: bool,
+    json_out: bool,
+    show_all: bool,
+    refused: dict[str, Any],
+) -> bool:
+    """`compare --generate N`: check, run `compare_generation_run`, print; True when it passed."""
+    from modeltap.compare.generation_run import check_generation_request, compare_generation_run
+
+    check_generation_request(s, refused, seed_given=seed_given)
+    result = compare_generation_run(
+        s, variant, options, work, class_given=class_given, offered=offered_flags(), note=note,
+        status=stderr().status,
+    )  # fmt: skip
+    if work is not None:
+        write_atomically(work / "report.json", json.dumps(result.to_json(), indent=1))
+    if json_out:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        from modeltap.render.generation import compare_generation_heading, generation_diff_table
+
+        console = stdout()
+        console.print(compare_generation_heading(result))
+        console.print(generation_diff_table(result.steps, show_all=show_all))
+    if work is not None:
+        stderr().print(
+            f"wrote {work}/: candidate.gen.safetensors, reference.gen.safetensors, report.json"
+        )
+    return result.passed
 
 
 def _check_replayable(model: str, what: str) -> None:
-    from modeltap.cli.dump import _is_transformed
+    from modeltap.loading.transformed import is_transformed
 
-    if _is_transformed(model):
+    if is_transformed(model):
         raise InputError(
             f"{what} '{model}' is an archive or a factory; compare replays a transformers "
             "model's modules, so give a Hugging Face id or a folder with config.json (or dump "
@@ -343,8 +399,6 @@ def _split_positionals(s: Settings, rest: list[str]) -> None:
         if s.against is None or (first / "config.json").is_file():
             s.candidate, rest = rest[0], rest[1:]
     if rest:
-        from modeltap.cli.dump import sorted_inputs
-
         for name, values in sorted_inputs(rest, None, None, None).items():
             if values:
                 setattr(s, name, values)

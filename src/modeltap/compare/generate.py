@@ -4,7 +4,7 @@ forced on the candidate (teacher forcing), so that every step stays comparable a
 1. The reference generates (every step's tensors kept in the work folder).
 2. The candidate generates with each step forced to choose the reference's token: its forwards
    read the very same tokens, and its own probabilities say which token it would have chosen.
-3. The two generation dumps are compared step by step (`generation_diff`).
+3. The two generation dumps are compared step by step (`modeltap.diff.generations`).
 4. Each step where the candidate's likeliest token is another than the reference's (a flip) is
    weighed against the preset: one forward of each model over the prompt and the reference's
    tokens gives both sides' logits at that step. The flip moved the two tokens' logit
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from modeltap.compare.replay import Options
     from modeltap.compare.report import CompareReport
-    from modeltap.generation_diff import GenerationDiff
+    from modeltap.diff.generations import GenerationDiff
     from modeltap.loading import Inputs
 
 REFERENCE_FILE = "reference.gen.safetensors"
@@ -228,7 +228,7 @@ def compare_generation(
     them step by step and attribute the first departure (see the module docstring)."""
     from modeltap.compare.replay import Options, compare_models
     from modeltap.compare.variants import compute_dtype, model_device
-    from modeltap.generation_diff import diff_generations
+    from modeltap.diff.generations import diff_generations
     from modeltap.selection import select_modules
 
     options = options or Options()

@@ -53,16 +53,10 @@ from modeltap.compare.shortcut import (
     versions,
 )
 from modeltap.compare.variants import attn_impl, compute_dtype, model_device
-from modeltap.diff import (
-    DiffReport,
-    Pair,
-    Tolerance,
-    _Buffers,
-    _norm,
-    apply_map,
-    compare,
-    parse_map,
-)
+from modeltap.diff.dumps import DiffReport, _norm
+from modeltap.diff.keymap import apply_map, parse_map
+from modeltap.diff.pairs import Pair, _Buffers, compare
+from modeltap.diff.tolerance import Tolerance
 from modeltap.dump import DumpWriter, load_dump
 from modeltap.dump.format import _read_header, _torch_dtype
 from modeltap.errors import first_line

@@ -20,7 +20,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from modeltap.capture import split_key
-from modeltap.diff import DiffReport, Pair, Tolerance
+from modeltap.diff.dumps import DiffReport
+from modeltap.diff.pairs import Pair
+from modeltap.diff.tolerance import Tolerance
 from modeltap.selection import ROOT
 
 REPORT_SCHEMA = "modeltap.compare/3"

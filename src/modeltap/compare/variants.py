@@ -144,7 +144,7 @@ def check_same_architecture(
     """`InputError` naming the first difference between the two module trees (after `rename`,
     the candidate's OLD=NEW globs) or the shapes of their parameters: a module's replay feeds the
     reference's inputs to its counterpart, which another architecture can't take."""
-    from modeltap.diff import apply_map, parse_map
+    from modeltap.diff.keymap import apply_map, parse_map
 
     rules = parse_map(rename)
     ref_name, cand_name = names

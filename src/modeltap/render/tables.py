@@ -28,11 +28,11 @@ from modeltap.selection import ROOT
 if TYPE_CHECKING:
     from torch import nn
 
-    from modeltap.diff import DiffReport
-    from modeltap.diff import Pair as DiffPair
+    from modeltap.diff.dumps import DiffReport
+    from modeltap.diff.pairs import Pair as DiffPair
+    from modeltap.diff.runs import RunDiff
     from modeltap.dump import Dump
     from modeltap.record.index import RunIndex
-    from modeltap.record.rundiff import RunDiff
     from modeltap.stats import TensorStats
 
 DIFF_ROWS = 20
@@ -103,7 +103,7 @@ def _diff_summary(pair: DiffPair) -> str:
         return f"shape {fmt_shape(pair.shape)} vs {fmt_shape(pair.other_shape or [])}"
     if pair.status == "dtype":
         return f"dtype {pair.dtype} vs {pair.other_dtype}; --upcast compares the values"
-    from modeltap.diff import nan_note
+    from modeltap.diff.pairs import nan_note
 
     if pair.max_abs is None:
         return f"no position finite on both sides, {pair.out_fraction:.1%} out; {nan_note(pair)}"

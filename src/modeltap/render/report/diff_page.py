@@ -7,7 +7,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from modeltap.diff import DiffReport, Pair, Tolerance, margin
+from modeltap.diff.dumps import DiffReport
+from modeltap.diff.pairs import Pair
+from modeltap.diff.tolerance import Tolerance, margin
 from modeltap.dump import Dump, load_dump
 from modeltap.render.report.page import OKABE_ITO, Page, Section, fmt, layout, positive
 from modeltap.stats import TensorStats

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from modeltap.errors import InputError
 
 if TYPE_CHECKING:
-    from modeltap.diff import Tolerance
+    from modeltap.diff.tolerance import Tolerance
 
 SCHEMA = 2  # 2: a step's `worst` is the key nearest its limit (`worst_of_limit`)
 _FIELDS = ("norm", "absmax")
@@ -99,7 +99,8 @@ def diff_runs(
     tolerance: Tolerance | None = None,
 ) -> RunDiff:
     """Compare two runs written by `modeltap.record` (see the module docstring)."""
-    from modeltap.diff import Tolerance, diff_dumps, margin
+    from modeltap.diff.dumps import diff_dumps
+    from modeltap.diff.tolerance import Tolerance, margin
     from modeltap.record.index import read_run
 
     tol = tolerance or Tolerance()

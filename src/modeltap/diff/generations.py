@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from modeltap.diff import Tolerance, diff_dumps
+from modeltap.diff.dumps import diff_dumps
+from modeltap.diff.tolerance import Tolerance
 from modeltap.dump import Dump, load_dump
 from modeltap.errors import InputError
 from modeltap.generate import generation_meta, step_view, steps_of
