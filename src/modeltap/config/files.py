@@ -1,4 +1,4 @@
-"""Settings, merged in this order, later wins:
+"""Settings files and presets: the settings merged in this order, later wins:
 
 defaults < --config FILE < ./modeltap.toml or [tool.modeltap] < MODELTAP_* env < flags.
 
@@ -8,14 +8,15 @@ after the command (`[dump]`), which win over the top level.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from modeltap.config.settings import FIELDS as _FIELDS
+from modeltap.config.settings import TYPES as _TYPES
+from modeltap.config.settings import Settings
 from modeltap.errors import InputError
 from modeltap.selection import suggest
 
@@ -26,144 +27,6 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 COMMANDS = ("dump", "grads", "diff", "show", "ls", "compare", "export", "generate")
 PROJECT_FILE = "modeltap.toml"
-
-
-@dataclass
-class Settings:
-    model: str | None = None
-    texts: list[str] = field(default_factory=list)
-    images: list[str] = field(default_factory=list)
-    audio: list[str] = field(default_factory=list)
-    processor: str | None = None
-    # dump/grads: the TEXT and files as a user turn of the processor's chat template;
-    # generate: each prompt through the tokenizer's chat template
-    chat: bool = False
-    input_file: str | None = None
-    depth: int | None = None
-    include: list[str] = field(default_factory=list)
-    exclude: list[str] = field(default_factory=list)
-    inputs: bool = False
-    out: str | None = None
-    stats_only: bool = False
-    hist: bool = False
-    revision: str | None = None
-    model_class: str = "AutoModel"
-    tokenizer: str | None = None
-    max_length: int | None = None
-    trust_remote_code: bool = False
-    # run a checkpoint lacking weights for some of the class's parameters (they start at random)
-    allow_missing_weights: bool = False
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
-    train_mode: bool = False
-    dead_threshold: float = 0.0
-    # diff
-    atol: float = 1e-8
-    rtol: float = 1e-5
-    preset: str | None = None
-    overrides: dict[str, dict[str, float]] = field(default_factory=dict)
-    map: list[str] = field(default_factory=list)
-    equal_nan: bool = False
-    upcast: bool = False
-    strict: bool = False
-    # grads (and dump --grads)
-    grads: bool = False
-    target: str | None = None
-    wrt: list[str] = field(default_factory=list)
-    loss: str = "sum"
-    grad_output: str = "ones"
-    params: bool = False
-    jacobian_norm: int = 0
-    probes: str = "rademacher"
-    vanishing: float = 1e-7
-    exploding: float = 1e3
-    # compare (scaled_atol and min_cosine are tolerances of diff too)
-    against: str | None = None
-    candidate: str | None = None
-    out_dir: str | None = None
-    use_cache: bool = False
-    scaled_atol: float = 0.0
-    min_cosine: float | None = None
-    # compare only: scale-relative allowance for rounding accumulated from module to module
-    accumulated_scaled_atol: float = 0.0
-
-    # big models: placement across GPUs, CPU and disk (dump, grads, ls)
-    device_map: str | None = None
-    max_memory: str | None = None
-    offload_folder: str | None = None
-
-    # transformed models (dump --compile, .pt2 / TorchScript archives, factories; export)
-    compile: bool = False
-    compile_backend: str = "inductor"
-    fullgraph: bool = False
-    dynamic: bool = True
-
-    # performance (#12): MiB the dump writer's thread may hold copied but not yet written
-    max_inflight_mb: int = 32
-
-    # generate (and compare --generate N): decoding, and which steps keep tensors; None: what
-    # the model's generation config says (max_new_tokens: its own, else 20)
-    max_new_tokens: int | None = None
-    do_sample: bool | None = None
-    num_beams: int | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    full: bool = False
-    steps: str | None = None
-    kv: bool = False
-
-
-_FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
-# Scalar types of each field, for checking TOML values and parsing environment variables.
-_TYPES: dict[str, type] = {
-    "texts": list,
-    "images": list,
-    "audio": list,
-    "chat": bool,
-    "include": list,
-    "exclude": list,
-    "inputs": bool,
-    "stats_only": bool,
-    "hist": bool,
-    "trust_remote_code": bool,
-    "allow_missing_weights": bool,
-    "train_mode": bool,
-    "depth": int,
-    "seed": int,
-    "max_length": int,
-    "dead_threshold": float,
-    "atol": float,
-    "rtol": float,
-    "overrides": dict,
-    "map": list,
-    "equal_nan": bool,
-    "upcast": bool,
-    "strict": bool,
-    "grads": bool,
-    "wrt": list,
-    "params": bool,
-    "jacobian_norm": int,
-    "vanishing": float,
-    "exploding": float,
-    "use_cache": bool,
-    "scaled_atol": float,
-    "min_cosine": float,
-    "accumulated_scaled_atol": float,
-    "compile": bool,
-    "fullgraph": bool,
-    "dynamic": bool,
-    "max_inflight_mb": int,
-    "max_new_tokens": int,
-    "do_sample": bool,
-    "num_beams": int,
-    "temperature": float,
-    "top_k": int,
-    "top_p": float,
-    "full": bool,
-    "kv": bool,
-}
 
 
 def _check(values: Mapping[str, Any], where: str) -> dict[str, Any]:

@@ -1,0 +1,454 @@
+"""The settings of a run, each field also the one declaration of its command-line option.
+
+A field made with `option(...)` carries its flag(s), help, help panel and metavar; `cli/options.py`
+builds typer parameters from them, `files.py` derives the TOML keys and MODELTAP_* variables from
+the same fields, so an option is written once. Plain strings only: the library does not need typer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+# Help panels: `--help` groups each command's options under these headings.
+INPUTS = "Inputs"
+SELECTION = "Selection"
+LOADING = "Loading"
+RUNNING = "Running"
+OUTPUT = "Output"
+GRADIENTS = "Gradients"
+TOL = "Tolerance"
+KEYS = "Keys"
+
+
+@dataclass(frozen=True)
+class CliOption:
+    """How a value is given on the command line.
+
+    `flags` as typer takes them ("--depth", "-d"; "--inputs/--no-inputs" for a switch; none: the
+    parameter's name); `path`: a file name, a `Path` on the command line and a `str` in the
+    settings; `choices`: the only values allowed (a choice on the command line, its string in the
+    settings); `argument`: positional; `variants`: per command, what that command says otherwise
+    (its own help, panel...); `type`: the value's type where no settings field gives it (options
+    of the command line only); `param`: the command's parameter name where it is not the field's;
+    `default`, `required`: the command-line default of an option of the command line only (a
+    settings option's absence means "not given": its default is the field's).
+    """
+
+    flags: tuple[str, ...] = ()
+    help: str = ""
+    panel: str | None = None
+    metavar: str | None = None
+    show_default: bool = True
+    min: int | None = None
+    argument: bool = False
+    path: bool = False
+    choices: tuple[str, ...] = ()
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    type: Any = None
+    param: str | None = None
+    default: Any = None
+    required: bool = False
+
+    def for_command(self, command: str | None) -> CliOption:
+        """This option as `command` shows it (its variant, if it has one)."""
+        changes = self.variants.get(command or "", {})
+        return dataclasses.replace(self, **changes) if changes else self
+
+
+def option(default: Any = None, *flags: str, factory: Any = None, **cli: Any) -> Any:
+    """A settings field that is also a command-line option (see `CliOption`)."""
+    meta = {"cli": CliOption(flags=cli.pop("flags", flags), **cli)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+_MODEL_HELP = (
+    "Hugging Face model id or folder with config.json, a .pt2 (torch.export) or .pt "
+    "(TorchScript) archive, or pkg.module:factory."
+)
+
+
+@dataclass
+class Settings:
+    model: str | None = option(
+        None,
+        help=_MODEL_HELP,
+        metavar="MODEL",
+        argument=True,
+        variants={
+            "export": {
+                "help": "Hugging Face model id or folder with config.json, or pkg.module:factory."
+            }
+        },
+    )
+    texts: list[str] = field(default_factory=list)
+    images: list[str] = option(
+        factory=list,
+        flags=("--image",),
+        help="Image file, any format Pillow reads; repeatable.",
+        panel=INPUTS,
+        metavar="FILE",
+        path=True,
+    )
+    audio: list[str] = option(
+        factory=list,
+        flags=("--audio",),
+        help="Audio file, any format soundfile reads; repeatable.",
+        panel=INPUTS,
+        metavar="FILE",
+        path=True,
+    )
+    processor: str | None = option(
+        help="Processor id or folder for images/audio [default: the model's].",
+        panel=INPUTS,
+        metavar="NAME",
+    )
+    # dump/grads: the TEXT and files as a user turn of the processor's chat template;
+    # generate: each prompt through the tokenizer's chat template
+    chat: bool = option(
+        False,
+        "--chat/--no-chat",
+        help="Make the one TEXT and the files a user turn of the processor's chat template.",
+        panel=INPUTS,
+        variants={
+            "generate": {
+                "help": "Put each prompt through the tokenizer's chat template as a user message."
+            }
+        },
+    )
+    input_file: str | None = option(
+        help="Tensors instead of text: .safetensors, .npy, .npz or .pt.",
+        panel=INPUTS,
+        metavar="FILE",
+        path=True,
+    )
+    depth: int | None = option(
+        None,
+        "--depth",
+        "-d",
+        help="Keep modules with at most N dotted name parts (root = 0).",
+        panel=SELECTION,
+        metavar="N",
+    )
+    include: list[str] = option(
+        factory=list,
+        flags=("--include", "-i"),
+        help="Glob on dotted module names; repeatable.",
+        panel=SELECTION,
+        metavar="GLOB",
+        variants={
+            command: {"help": "Key glob; repeatable.", "panel": KEYS}
+            for command in ("diff", "report")
+        },
+    )
+    exclude: list[str] = option(
+        factory=list,
+        flags=("--exclude", "-x"),
+        help="Glob to leave out; repeatable.",
+        panel=SELECTION,
+        metavar="GLOB",
+    )
+    inputs: bool = False
+    out: str | None = option(
+        None,
+        "--out",
+        "-o",
+        help="Dump file [default: <model name>.dump.safetensors].",
+        panel=OUTPUT,
+        metavar="FILE",
+        path=True,
+    )
+    stats_only: bool = option(
+        False,
+        "--stats-only/--with-tensors",
+        help="Write statistics only, no tensors.",
+        panel=OUTPUT,
+    )
+    hist: bool = option(
+        False,
+        "--hist/--no-hist",
+        help="Also store a 43-bin histogram of each tensor's values (signed, log-spaced "
+        "from 1e-6 to 1e4) with its statistics, for `modeltap report`.",
+        panel=OUTPUT,
+    )
+    revision: str | None = option(
+        help="Hub revision: branch, tag or commit.", panel=LOADING, metavar="REV"
+    )
+    model_class: str = option(
+        "AutoModel",
+        help="transformers class to load with [default: AutoModel].",
+        show_default=False,
+        panel=LOADING,
+        metavar="CLASS",
+    )
+    tokenizer: str | None = option(
+        help="Tokenizer id or folder [default: the model's; an archive or factory has none].",
+        panel=INPUTS,
+        metavar="NAME",
+        variants={  # commands that take Hugging Face models only
+            command: {
+                "help": "Tokenizer id or folder [default: the model's].",
+                "flags": ("--tokenizer",),
+            }
+            for command in ("compare", "generate")
+        },
+    )
+    max_length: int | None = option(
+        help="Truncate each text to N tokens [default: no truncation].",
+        min=1,
+        panel=INPUTS,
+        metavar="N",
+    )
+    trust_remote_code: bool = option(
+        False,
+        "--trust-remote-code/--no-trust-remote-code",
+        help="Run the model repo's code.",
+        panel=LOADING,
+    )
+    # run a checkpoint lacking weights for some of the class's parameters (they start at random)
+    allow_missing_weights: bool = option(
+        False,
+        "--allow-missing-weights/--no-allow-missing-weights",
+        help="Run a checkpoint that lacks weights for some of the class's parameters (a head it "
+        "was not saved with: randomly initialised, listed in the dump) [default: refuse].",
+        panel=LOADING,
+    )
+    dtype: str = option(
+        "float32",
+        help="Model dtype: float32, bfloat16 or float16 [default: float32].",
+        panel=LOADING,
+        metavar="DTYPE",
+        choices=("float32", "bfloat16", "float16"),
+    )
+    device: str = option(
+        "cpu",
+        help="Where to run: cpu, cuda or auto [default: cpu].",
+        panel=LOADING,
+        metavar="DEVICE",
+        choices=("cpu", "cuda", "auto"),
+    )
+    seed: int = option(
+        0, help="torch seed set before the run [default: 0].", panel=RUNNING, metavar="N"
+    )
+    train_mode: bool = option(
+        False, "--train-mode/--eval-mode", help="Keep dropout etc. active.", panel=RUNNING
+    )
+    dead_threshold: float = 0.0
+    # diff
+    atol: float = option(
+        1e-8,
+        help="Absolute tolerance; wins over --preset [default: 1e-8].",
+        metavar="X",
+        panel=TOL,
+    )
+    rtol: float = option(
+        1e-5,
+        help="Relative tolerance; wins over --preset [default: 1e-5].",
+        metavar="X",
+        panel=TOL,
+    )
+    preset: str | None = option(
+        help="Tolerance preset shipped with modeltap: exact, fp32, tf32, bf16, fp16, compile, "
+        "cross-device (a tolerances.toml in $MODELTAP_CONFIGS or ./configs replaces them).",
+        metavar="NAME",
+        panel=TOL,
+    )
+    overrides: dict[str, dict[str, float]] = field(default_factory=dict)
+    map: list[str] = option(
+        factory=list,
+        flags=("--map",),
+        help="Rename A's keys to B's: OLD=NEW globs ('bert.*=*'), or a TOML/JSON file of "
+        "[keys] and [modules] renames; repeatable, the first matching rule wins.",
+        metavar="OLD=NEW|FILE",
+        panel=KEYS,
+        param="map_",
+    )
+    equal_nan: bool = option(
+        False, "--equal-nan/--nan-differs", help="Count NaN == NaN as equal.", panel=TOL
+    )
+    upcast: bool = option(
+        False,
+        "--upcast/--no-upcast",
+        help="Compare tensors of different dtypes, in float32 when both fit, else float64 "
+        "[default: off; on with a preset that says upcast, as bf16 and fp16].",
+        panel=TOL,
+    )
+    strict: bool = option(
+        False, "--strict/--lenient", help="Keys on one side only fail too.", panel=KEYS
+    )
+    # grads (and dump --grads)
+    grads: bool = False
+    target: str | None = option(
+        None,
+        "--target",
+        "-t",
+        help="Module (or module:part) whose output is differentiated.",
+        panel=GRADIENTS,
+        metavar="MODULE",
+    )
+    wrt: list[str] = option(
+        factory=list,
+        flags=("--wrt", "-w"),
+        help="Only these modules' outputs, or float inputs (pixel_values), get gradients; "
+        "repeatable.",
+        panel=GRADIENTS,
+        metavar="MODULE|INPUT",
+    )
+    loss: str = option(
+        "sum",
+        help="Without --target: sum (of the main output), lm (causal LM), mlm.",
+        panel=GRADIENTS,
+        metavar="LOSS",
+    )
+    grad_output: str = option(
+        "ones",
+        help="Seed of the backward: ones, randn, unit:I,J,... or a tensor file.",
+        panel=GRADIENTS,
+        metavar="SPEC",
+    )
+    params: bool = option(
+        False, "--params/--no-params", help="Also store parameter gradients.", panel=GRADIENTS
+    )
+    jacobian_norm: int = option(
+        0,
+        help="Estimate ||d target/d x||_F for each x from K random probes [default: off].",
+        panel=GRADIENTS,
+        metavar="K",
+    )
+    probes: str = option(
+        "rademacher", help="Probe vectors: rademacher or gaussian.", panel=GRADIENTS, metavar="KIND"
+    )
+    vanishing: float = option(
+        1e-7,
+        help="Flag gradients with a norm below this [default: 1e-7].",
+        panel=GRADIENTS,
+        metavar="NORM",
+    )
+    exploding: float = option(
+        1e3,
+        help="Flag gradients with a norm above this [default: 1e3].",
+        panel=GRADIENTS,
+        metavar="NORM",
+    )
+    # compare (scaled_atol and min_cosine are tolerances of diff too)
+    against: str | None = None
+    candidate: str | None = None
+    out_dir: str | None = None
+    use_cache: bool = False
+    scaled_atol: float = 0.0
+    min_cosine: float | None = None
+    # compare only: scale-relative allowance for rounding accumulated from module to module
+    accumulated_scaled_atol: float = 0.0
+
+    # big models: placement across GPUs, CPU and disk (dump, grads, ls)
+    device_map: str | None = option(
+        help="Let accelerate place the model on GPUs, then CPU, then disk (not with --device): "
+        "auto, balanced, balanced_low_0 or sequential.",
+        metavar="MAP",
+        panel=LOADING,
+        choices=("auto", "balanced", "balanced_low_0", "sequential"),
+    )
+    max_memory: str | None = option(
+        help="Memory per device for --device-map, e.g. 0=20GiB,cpu=30GiB [default: what is free].",
+        metavar="LIMITS",
+        panel=LOADING,
+    )
+    offload_folder: str | None = option(
+        help="Folder for weights offloaded to disk by --device-map.",
+        metavar="DIR",
+        panel=LOADING,
+        path=True,
+    )
+
+    # transformed models (dump --compile, .pt2 / TorchScript archives, factories; export)
+    compile: bool = option(
+        False, "--compile/--no-compile", help="Run the model through torch.compile.", panel=RUNNING
+    )
+    compile_backend: str = option(
+        "inductor",
+        help="torch.compile backend, e.g. aot_eager [default: inductor].",
+        metavar="NAME",
+        panel=RUNNING,
+    )
+    fullgraph: bool = option(
+        False,
+        "--fullgraph/--no-fullgraph",
+        help="torch.compile must make one graph.",
+        panel=RUNNING,
+    )
+    dynamic: bool = True
+
+    # performance (#12): MiB the dump writer's thread may hold copied but not yet written
+    max_inflight_mb: int = option(
+        32,
+        "--max-inflight",
+        help="MiB of tensors copied but not yet written that the writer thread may hold "
+        "(pinned for CUDA); the run waits when it is full; 0 writes inline [default: 32].",
+        metavar="MIB",
+        panel=OUTPUT,
+        param="max_inflight",
+    )
+
+    # generate (and compare --generate N): decoding, and which steps keep tensors; None: what
+    # the model's generation config says (max_new_tokens: its own, else 20)
+    max_new_tokens: int | None = option(
+        help="New tokens to generate at most (fewer when the model ends with EOS) [default: "
+        "the model's generation config, else 20].",
+        metavar="N",
+        panel=RUNNING,
+    )
+    do_sample: bool | None = option(
+        None,
+        "--do-sample/--greedy",
+        help="Sample each token (seeded by --seed) instead of taking the likeliest [default: "
+        "the model's generation config, else greedy].",
+        panel=RUNNING,
+    )
+    num_beams: int | None = option(
+        help="Beam search with N beams (1: one sequence per prompt) [default: the model's "
+        "generation config].",
+        metavar="N",
+        panel=RUNNING,
+    )
+    temperature: float | None = option(
+        help="Sampling temperature (with --do-sample).", metavar="T", panel=RUNNING
+    )
+    top_k: int | None = option(
+        help="Sample among the K likeliest tokens (with --do-sample).", metavar="K", panel=RUNNING
+    )
+    top_p: float | None = option(
+        help="Sample among the likeliest tokens holding probability P (with --do-sample).",
+        metavar="P",
+        panel=RUNNING,
+    )
+    full: bool = False
+    steps: str | None = None
+    kv: bool = False
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+
+
+def _scalar(annotation: Any) -> type:
+    """The type a TOML value or an environment variable must have: `int | None` -> int,
+    `list[str]` -> list."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return _scalar(args[0])
+    return typing.get_origin(annotation) or annotation
+
+
+HINTS = typing.get_type_hints(Settings)
+# Scalar types of each field, for checking TOML values and parsing environment variables.
+TYPES: dict[str, type] = {name: _scalar(hint) for name, hint in HINTS.items()}
+
+
+def cli_option(name: str, command: str | None = None) -> CliOption | None:
+    """The command-line declaration of field `name` (as `command` shows it), None if it has none."""
+    declared = FIELDS[name].metadata.get("cli")
+    return declared.for_command(command) if declared is not None else None
