@@ -374,3 +374,26 @@ def test_every_metadata_key_written_is_documented(bert, tmp_path):
         model, inputs, tmp_path / "b.safetensors", grads=GradSpec(target="encoder.layer.0")
     )
     assert set(load_dump(path).metadata) <= set(METADATA_KEYS)
+
+
+def test_grad_spec_is_what_the_settings_ask_for():
+    import dataclasses
+
+    from modeltap.config import Settings
+
+    # every field of the spec is a setting with the same default: nothing restated differently
+    assert GradSpec.from_settings(Settings()) == GradSpec()
+    assert {f.name for f in dataclasses.fields(GradSpec)} <= set(Settings.__dataclass_fields__)
+    s = Settings(target="encoder", wrt=["a", "b"], loss="sum", grad_output="randn", params=True)
+    s.jacobian_norm, s.probes, s.vanishing, s.exploding = 3, "gaussian", 1e-9, 1e2
+    assert GradSpec.from_settings(s) == GradSpec(
+        target="encoder",
+        wrt=("a", "b"),
+        loss="sum",
+        grad_output="randn",
+        params=True,
+        jacobian_norm=3,
+        probes="gaussian",
+        vanishing=1e-9,
+        exploding=1e2,
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,12 @@ class GradSpec:
     probes: str = "rademacher"
     vanishing: float = 1e-7
     exploding: float = 1e3
+
+    @classmethod
+    def from_settings(cls, s: Any) -> GradSpec:
+        """The spec a run's `Settings` asks for: each field of the same name (`wrt` a tuple)."""
+        values = {f.name: getattr(s, f.name) for f in dataclasses.fields(cls)}
+        return cls(**{**values, "wrt": tuple(values["wrt"])})
 
     def check(self) -> None:
         if self.loss not in LOSSES:
