@@ -12,10 +12,14 @@ byte-level BPE tokenizer (tests/fixtures/hf.py, laid out offline). Then:
      status, seconds (start-up and loading included) and the file's size.
   2. the figures: each side in a fresh process that loads the model, makes 4 x 256 random ids
      (seed 0), runs its call once to warm up, then REPS timed calls, each ending with the device
-     synchronized; the median, the process's peak RSS and the GPU's peak allocated memory over the
-     timed calls. modeltap's sides take the statistics on the device and copy tensors through a
-     pinned buffer with non-blocking copies, as every CUDA dump does (README: "For CUDA tensors").
+     synchronized; the median, and the peak RSS (VmHWM, reset after the warm-up where Linux lets
+     it be: else the process's peak, loading included, marked *) and the GPU's peak allocated
+     memory over the timed calls. modeltap's sides take the statistics on the device and copy
+     tensors through a pinned buffer with non-blocking copies, as every CUDA dump does (README:
+     "For CUDA tensors").
        dump       dump_model (tensors + statistics)         / a bare forward
+                                                            / bare hooks keeping each module's
+                                                              output + safetensors' save_file
        stats      dump_model(stats_only=True)               / a bare forward
        grads      dump_model(grads=GradSpec(), activations=False), modeltap grads' call
                                                             / forward + backward, every module's
@@ -43,12 +47,14 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 SIDES = {  # figure -> (modeltap's side, the bare side)
     "dump": ("dump", "forward"),
+    "bare-dump": ("dump", "bare-dump"),
     "stats": ("stats", "forward"),
     "grads": ("grads", "backward"),
     "generate": ("generate", "bare-generate"),
 }
 LABELS = {
     "dump": "dump / bare forward",
+    "bare-dump": "dump / bare hooks + save_file",
     "stats": "statistics only / bare forward",
     "grads": "grads / forward + backward (hooks, in memory)",
     "generate": "generate, stats every step / bare generate",
@@ -89,6 +95,11 @@ def build(folder: Path, tiny: bool, device: str) -> int:
     model.save_pretrained(folder)
     gpt2_tokenizer().save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
+
+
+def _peak_rss_mb() -> float:
+    status = Path("/proc/self/status").read_text().splitlines()
+    return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
 
 
 def _sync(device: str) -> None:
@@ -143,6 +154,32 @@ def child(side: str, folder: Path, device: str, tiny: bool, out: Path) -> dict:
                 handle.remove()
             model.zero_grad(set_to_none=True)
 
+    def bare_dump() -> None:  # as bench_perf's bare_dump: save_file copies each to the host
+        from safetensors.torch import save_file
+
+        kept: dict[str, torch.Tensor] = {}
+
+        def keep(name: str):
+            def hook(module, args, output) -> None:
+                first = output[0] if isinstance(output, tuple) else output
+                if isinstance(first, torch.Tensor):
+                    kept[name or "root"] = first.detach()
+
+            return hook
+
+        handles = [m.register_forward_hook(keep(n)) for n, m in model.named_modules()]
+        try:
+            forward()
+        finally:
+            for handle in handles:
+                handle.remove()
+        unique, storages = {}, set()
+        for key, t in kept.items():  # save_file refuses tensors that share memory
+            storage = t.untyped_storage().data_ptr()
+            unique[key] = t.clone() if storage in storages else t.contiguous()
+            storages.add(storage)
+        save_file(unique, str(out))
+
     def bare_generate() -> None:
         with torch.no_grad():
             model.generate(**batch, max_new_tokens=new, do_sample=False)
@@ -151,6 +188,7 @@ def child(side: str, folder: Path, device: str, tiny: bool, out: Path) -> dict:
         "forward": forward,
         "backward": backward,
         "bare-generate": bare_generate,
+        "bare-dump": bare_dump,
         "dump": lambda: dump_model(model, inputs, out),
         "stats": lambda: dump_model(model, inputs, out, stats_only=True),
         "grads": lambda: dump_model(model, inputs, out, grads=GradSpec(), activations=False),
@@ -163,6 +201,11 @@ def child(side: str, folder: Path, device: str, tiny: bool, out: Path) -> dict:
     _sync(device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    try:  # the peak RSS from here on (Linux), not the loading's
+        Path("/proc/self/clear_refs").write_text("5")
+        reset = True
+    except OSError:
+        reset = False
     seconds = []
     for _ in range(size["reps"]):
         out.unlink(missing_ok=True)
@@ -176,7 +219,10 @@ def child(side: str, folder: Path, device: str, tiny: bool, out: Path) -> dict:
     return {
         "side": side,
         "seconds": statistics.median(seconds),
-        "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rss_mb": _peak_rss_mb()
+        if reset
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rss_reset": reset,
         "gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None,
         "file_mb": written / 1e6,
     }
@@ -208,8 +254,8 @@ def command(verb: str, folder: Path, args: argparse.Namespace, scratch: Path) ->
     return done.returncode, seconds, size, error
 
 
-def _mb(value: float | None) -> str:
-    return "-" if value is None else f"{value:,.0f}"
+def _mb(value: float | None, exact: bool = True) -> str:
+    return "-" if value is None else f"{value:,.0f}" + ("" if exact else "*")
 
 
 def main() -> None:
@@ -269,7 +315,8 @@ def main() -> None:
         a, b = sides[mine], sides[bare]
         print(
             f"| {LABELS[figure]} | {a['seconds']:.3f} | {b['seconds']:.3f} "
-            f"| {a['seconds'] / b['seconds']:.2f} | {_mb(a['rss_mb'])} / {_mb(b['rss_mb'])} "
+            f"| {a['seconds'] / b['seconds']:.2f} "
+            f"| {_mb(a['rss_mb'], a['rss_reset'])} / {_mb(b['rss_mb'], b['rss_reset'])} "
             f"| {_mb(a['gpu_mb'])} / {_mb(b['gpu_mb'])} | {a['file_mb']:,.1f} |"
         )
     print(f"\ngpu_check: done in {time.perf_counter() - started:.0f} s")
