@@ -4,42 +4,51 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
 
 import typer
 
 from modeltap.cli.app import app, handle_errors, stdout
-from modeltap.cli.options import JsonOpt, RevisionOpt, TrustOpt
+from modeltap.cli.options import command
+from modeltap.config.settings import CliOption
 from modeltap.errors import InputError
 
 
 @app.command()
 @handle_errors
+@command(
+    "replay",
+    (
+        "run_dir",
+        CliOption(
+            argument=True,
+            help="A run folder of modeltap.record.",
+            metavar="RUN_DIR",
+            type=Path,
+            required=True,
+        ),
+    ),
+    "model",
+    (
+        "step",
+        CliOption(help="The step whose trip to replay.", metavar="N", type=int, required=True),
+    ),
+    ("rank", CliOption(help="The rank that tripped.", metavar="R", type=int, default=0)),
+    "model_class",
+    "revision",
+    "trust_remote_code",
+    "json_out",
+    settings=False,
+)
 def replay(
-    run_dir: Annotated[
-        Path, typer.Argument(help="A run folder of modeltap.record.", metavar="RUN_DIR")
-    ],
-    model: Annotated[
-        str,
-        typer.Argument(
-            help="The model the run trained: Hugging Face id or folder with config.json, or "
-            "pkg.module:factory (its weights are not used: the step file's are).",
-            metavar="MODEL",
-        ),
-    ],
-    step: Annotated[int, typer.Option(help="The step whose trip to replay.", metavar="N")],
-    rank: Annotated[int, typer.Option(help="The rank that tripped.", metavar="R")] = 0,
-    model_class: Annotated[
-        str | None,
-        typer.Option(
-            help="transformers class to build MODEL with [default: the run's, else AutoModel].",
-            show_default=False,
-            metavar="CLASS",
-        ),
-    ] = None,
-    revision: RevisionOpt = None,
-    trust_remote_code: TrustOpt = None,
-    json_out: JsonOpt = False,
+    *,
+    run_dir: Path,
+    model: str,
+    step: int,
+    rank: int,
+    model_class: str | None,
+    revision: str | None,
+    trust_remote_code: bool | None,
+    json_out: bool,
 ) -> None:
     """Re-run, alone, the module that produced a recorded run's first NaN/Inf (a forward trip
     recorded with flight=True or on_nonfinite="dump"), and show whether it comes back. Exit 0

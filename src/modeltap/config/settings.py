@@ -83,7 +83,13 @@ class Settings:
         variants={
             "export": {
                 "help": "Hugging Face model id or folder with config.json, or pkg.module:factory."
-            }
+            },
+            "replay": {
+                "help": "The model the run trained: Hugging Face id or folder with config.json, "
+                "or pkg.module:factory (its weights are not used: the step file's are).",
+                "type": str,
+                "required": True,
+            },
         },
     )
     texts: list[str] = field(default_factory=list)
@@ -185,6 +191,13 @@ class Settings:
         show_default=False,
         panel=LOADING,
         metavar="CLASS",
+        variants={
+            "replay": {
+                "help": "transformers class to build MODEL with [default: the run's, else "
+                "AutoModel].",
+                "panel": None,
+            }
+        },
     )
     tokenizer: str | None = option(
         help="Tokenizer id or folder [default: the model's; an archive or factory has none].",
