@@ -589,3 +589,106 @@ def test_run_diff_names_the_key_farthest_past_its_own_limit(tmp_path):
     assert "|a-b| / (atol + rtol*|b|)" in header
     row = next(line for line in text.splitlines() if line.split()[:2] == ["0", "0"])
     assert row.split()[-1] == "big" and "tiny" not in text
+
+
+@pytest.mark.parametrize("tol", [Tolerance(1e-3, 1e-2), Tolerance(0.0, 0.0), Tolerance(0.1, 0.0)])
+def test_one_number_against_another_is_torch_isclose(tol):
+    """`close`, the rule every diff of statistics applies (generation steps without tensors, run
+    folders), is torch.isclose on one number, infinities and NaN included (equal_nan=False, but
+    NaN matches NaN: a statistic that is NaN on both sides did not change)."""
+    from modeltap.diff.tolerance import close
+
+    inf, nan = float("inf"), float("nan")
+    values = [0.0, 1.0, 1.0005, 1.02, -1.0, 1e-9, 100.0, 100.5, inf, -inf, nan]
+    for x in values:
+        for y in values:
+            expected = bool(
+                torch.isclose(
+                    torch.tensor(x, dtype=torch.float64),
+                    torch.tensor(y, dtype=torch.float64),
+                    rtol=tol.rtol,
+                    atol=tol.atol,
+                    equal_nan=True,
+                )
+            )
+            assert close(x, y, tol) == expected, (x, y)
+    assert close(None, None, tol) and not close(1.0, None, tol)
+
+
+def test_a_generation_step_by_statistics_fails_a_norm_that_is_infinite_on_one_side():
+    """A step compared by statistics (one side kept no tensors): a norm that overflowed on the
+    reference's side only is out of tolerance, as torch.isclose(1.0, inf) says (it passed, with
+    rtol > 0, while the step used its own copy of the rule)."""
+    from types import SimpleNamespace
+
+    from modeltap.diff.generations import _by_statistics
+
+    def side(norm):
+        stats = SimpleNamespace(norm=norm, mean=0.5, absmax=2.0)
+        return SimpleNamespace(keys=lambda: ["k"], stats_for=lambda key: stats)
+
+    tol = Tolerance(1e-5, 1.3e-6)
+    assert not bool(torch.isclose(torch.tensor(1.0), torch.tensor(float("inf")), 1.3e-6, 1e-5))
+    step = _by_statistics(0, side(1.0), side(float("inf")), tol)
+    assert (step.compared, step.failed, step.first) == (1, 1, "k")
+    assert _by_statistics(0, side(1.0), side(1.0 + 1e-7), tol).failed == 0
+
+
+def test_the_diff_verb_judges_two_dumps_as_torch_does(tmp_path):
+    """`modeltap.diff(a, b, preset=...)` on two dumps of a model whose weight moved by a known
+    amount: the verdict is torch.allclose's under the preset's tolerance, and the largest error
+    is max |a - b| of the outputs computed here with plain torch."""
+    import modeltap
+    from modeltap.config import read_preset
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    x = torch.randn(3, 8)
+    inputs = Inputs((x,), {}, {})
+    ref = dump_model(model.eval(), inputs, tmp_path / "ref.safetensors")
+    with torch.no_grad():
+        out_b = model(x)
+        model[2].weight[1, 2] += 1e-3
+        out_a = model(x)
+    new = dump_model(model, inputs, tmp_path / "new.safetensors")
+
+    fp32 = read_preset("fp32")
+    report = modeltap.diff(new, ref, preset="fp32")
+    assert report.passed is torch.allclose(out_a, out_b, atol=fp32["atol"], rtol=fp32["rtol"])
+    assert not report.passed and report.first_divergence.key == "2"
+    (last,) = [p for p in report.pairs if p.key == "2"]
+    assert last.max_abs == pytest.approx(float((out_a - out_b).abs().max()), rel=1e-5)
+    assert [p.key for p in report.failed] == ["2"]  # the layers before it are untouched
+    loose = modeltap.diff(new, ref, preset="fp32", atol=1e-2)
+    assert loose.passed is torch.allclose(out_a, out_b, atol=1e-2, rtol=fp32["rtol"]) is True
+    assert modeltap.diff(new, ref, overrides={"2": {"atol": 1e-2}}, preset="fp32").passed
+
+
+def test_the_diff_verb_is_the_package_whichever_import_comes_first(tmp_path):
+    """`modeltap.diff` is one object, the package and the verb: a submodule imported first
+    (which binds the package on `modeltap`) leaves the verb callable, and the package's names
+    reachable as attributes."""
+    import subprocess
+    import sys
+
+    code = (
+        "import modeltap.diff.dumps, modeltap, inspect; import modeltap.diff as d; "
+        "from modeltap import diff; "
+        "print(d is diff is modeltap.diff, callable(diff), diff.diff_dumps.__name__, "
+        "list(inspect.signature(diff).parameters)[:3], 'torch' in __import__('sys').modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    expected = ["True", "True", "diff_dumps", "['a',", "'b',", "'preset']", "False"]
+    assert out.stdout.split() == expected
+
+
+def test_the_diff_verb_refuses_dump_options_for_run_folders(tmp_path):
+    import modeltap
+    from modeltap.errors import InputError
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with pytest.raises(InputError, match="include can't apply to run folders"):
+        modeltap.diff(tmp_path / "a", tmp_path / "b", include=["x*"])
+    with pytest.raises(InputError, match="not one of each"):
+        modeltap.diff(tmp_path / "a", tmp_path / "b" / "x.safetensors")

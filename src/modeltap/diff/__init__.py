@@ -1,17 +1,26 @@
-"""Diff: two dumps, two generations or two recorded runs -> a report, under one tolerance model.
+"""`modeltap.diff(a, b, preset=...)`: two dumps, two generation dumps or two run folders ->
+a report with `.passed`, under one tolerance model; and the package that computes it.
 
 One module per concern: `tolerance` (the allclose rule every diff applies: `Tolerance`, `margin`,
 `close` for one number against another), `pairs` (one tensor against its match: `compare`),
 `keymap` (which key of B a key of A meets: `--map` rules, structural matches), then one per kind of
 input: `dumps` (`diff_dumps` -> `DiffReport`, `junit_xml`), `generations` (`diff_generations`,
 step by step) and `runs` (`diff_runs`, run folders of `modeltap.record`, step by step and rank by
-rank). Importing this package imports no torch, and each module only when one of its names is
-first used. (No name here is also a module's: importing the module would bind it over the name.)
+rank); `verb` chooses among them (`diff`). Importing this package imports no torch, and each
+module only when one of its names is first used. (No name here is also a module's: importing the
+module would bind it over the name.)
+
+This package is also the verb: calling it calls `diff` (`_CallablePackage`). A function on the
+facade named like the package would hide the package's names from `modeltap.diff.diff_dumps`
+and `import modeltap.diff as d`; one object that is both leaves nothing to shadow, whichever
+import comes first.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 from modeltap._lazy import lazy_names
 
@@ -34,10 +43,11 @@ if TYPE_CHECKING:
     )
     from modeltap.diff.pairs import Pair, compare, failure_message, nan_note
     from modeltap.diff.runs import RunDiff, diff_runs
-    from modeltap.diff.tolerance import Tolerance, margin
+    from modeltap.diff.tolerance import Tolerance, close, margin
+    from modeltap.diff.verb import diff
 
 _HOMES = {
-    **dict.fromkeys(["Tolerance", "margin"], "tolerance"),
+    **dict.fromkeys(["Tolerance", "close", "margin"], "tolerance"),
     **dict.fromkeys(["Pair", "compare", "failure_message", "nan_note"], "pairs"),
     **dict.fromkeys(
         ["KeyRule", "MAP_SECTIONS", "apply_map", "parse_map", "read_map_file"], "keymap"
@@ -51,6 +61,7 @@ _HOMES = {
         "generations",
     ),
     **dict.fromkeys(["RunDiff", "diff_runs"], "runs"),
+    "diff": "verb",
 }
 
 __getattr__ = lazy_names(__name__, _HOMES)
@@ -67,7 +78,9 @@ __all__ = [
     "TokenSplit",
     "Tolerance",
     "apply_map",
+    "close",
     "compare",
+    "diff",
     "diff_dumps",
     "diff_generations",
     "diff_runs",
@@ -81,3 +94,19 @@ __all__ = [
     "structural_matches",
     "token_split",
 ]
+
+
+class _CallablePackage(types.ModuleType):
+    """`modeltap.diff` itself: `modeltap.diff(a, b, ...)` is `modeltap.diff.diff(a, b, ...)`."""
+
+    def __call__(self, a: Any, b: Any, **options: Any) -> Any:
+        return self.diff(a, b, **options)
+
+    @property
+    def __signature__(self) -> Any:  # what inspect.signature and help() show for the call
+        import inspect
+
+        return inspect.signature(self.diff)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

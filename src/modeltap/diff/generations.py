@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modeltap.diff.dumps import diff_dumps
-from modeltap.diff.tolerance import Tolerance
+from modeltap.diff.keymap import sides
+from modeltap.diff.tolerance import Tolerance, close
 from modeltap.dump import Dump, load_dump
 from modeltap.errors import InputError
 from modeltap.generate import generation_meta, step_view, steps_of
@@ -137,7 +138,7 @@ def diff_generations(
     assert gen_a is not None and gen_b is not None
     tolerance = tolerance or Tolerance()
     steps_a, steps_b = steps_of(da), steps_of(db)
-    common = [s for s in steps_a if s in set(steps_b)]
+    common, only_a, only_b = sides(steps_a, steps_b)
     tokens_a = {s["step"]: s for s in gen_a["steps"]}
     tokens_b = {s["step"]: s for s in gen_b["steps"]}
     results = []
@@ -169,8 +170,8 @@ def diff_generations(
         db,
         tolerance,
         results,
-        [s for s in steps_a if s not in set(steps_b)],
-        [s for s in steps_b if s not in set(steps_a)],
+        only_a,
+        only_b,
         token_split(gen_a, gen_b),
     )
 
@@ -190,8 +191,8 @@ def token_split(gen_a: dict[str, Any], gen_b: dict[str, Any]) -> TokenSplit | No
 
 
 def _by_statistics(step: int, a: Dump, b: Dump, tol: Tolerance) -> StepDiff:
-    """A step without tensors on one side: each key's norm, mean and largest magnitude, with
-    diff's allclose rule on each number."""
+    """A step without tensors on one side: each key's norm, mean and largest magnitude, each
+    number judged by `close` (the rule run diffs apply to their statistics)."""
     keys_b = set(b.keys())
     compared = failed = 0
     first = worst = None
@@ -203,12 +204,8 @@ def _by_statistics(step: int, a: Dump, b: Dump, tol: Tolerance) -> StepDiff:
         if sa is None or sb is None:
             continue
         compared += 1
-        out = False
-        for x, y in ((sa.norm, sb.norm), (sa.mean, sb.mean), (sa.absmax, sb.absmax)):
-            if x is None or y is None:
-                continue
-            if abs(x - y) > tol.atol + tol.rtol * abs(y) or (x != x) != (y != y):
-                out = True
+        values = ((sa.norm, sb.norm), (sa.mean, sb.mean), (sa.absmax, sb.absmax))
+        out = any(not close(x, y, tol) for x, y in values if x is not None and y is not None)
         gap = abs(sa.norm - sb.norm) if sa.norm is not None and sb.norm is not None else None
         if gap is not None and (largest is None or gap > largest):
             largest, worst = gap, key

@@ -1,17 +1,21 @@
 """Which key of B a key of A is compared with: renames (`--map` rules and files) and the
-structural matches of one module's output kept by name on one side and by position on the other.
+structural matches of one module's output kept by name on one side and by position on the other;
+`sides` splits two lists of steps (or keys) into those in both and those on one side only.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from modeltap.dump import Dump
 from modeltap.errors import InputError
+
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -175,3 +179,14 @@ def structural_matches(
         if all(a.shape(x) is not None and a.shape(x) == b.shape(y) for x, y in pairs):
             found.update(pairs)
     return found
+
+
+def sides(a: Sequence[K], b: Sequence[K]) -> tuple[list[K], list[K], list[K]]:
+    """(in both, in A only, in B only), each in its side's order: the steps (or keys) two diffs
+    pair by name."""
+    set_a, set_b = set(a), set(b)
+    return (
+        [k for k in a if k in set_b],
+        [k for k in a if k not in set_b],
+        [k for k in b if k not in set_a],
+    )

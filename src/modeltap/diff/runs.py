@@ -10,7 +10,6 @@ its keys (forward, then backward).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -81,17 +80,6 @@ class RunDiff:
         }
 
 
-def _of_limit(a: float | None, b: float | None, atol: float, rtol: float) -> float:
-    """|a - b| / (atol + rtol * |b|): 0 when equal, inf where only one side is missing or not
-    finite (or the limit is 0)."""
-    if a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b)):
-        return 0.0
-    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
-        return math.inf
-    limit = atol + rtol * abs(b)
-    return abs(a - b) / limit if limit else math.inf
-
-
 def diff_runs(
     a: str | os.PathLike[str],
     b: str | os.PathLike[str],
@@ -100,7 +88,8 @@ def diff_runs(
 ) -> RunDiff:
     """Compare two runs written by `modeltap.record` (see the module docstring)."""
     from modeltap.diff.dumps import diff_dumps
-    from modeltap.diff.tolerance import Tolerance, margin
+    from modeltap.diff.keymap import sides
+    from modeltap.diff.tolerance import Tolerance, close, margin, of_limit
     from modeltap.record.index import read_run
 
     tol = tolerance or Tolerance()
@@ -117,19 +106,20 @@ def diff_runs(
     for rank in ranks:
         by_step_a = {s["step"]: s for s in run_a.ranks[rank].steps}
         by_step_b = {s["step"]: s for s in run_b.ranks[rank].steps}
-        only_a += [(s, rank) for s in sorted(set(by_step_a) - set(by_step_b))]
-        only_b += [(s, rank) for s in sorted(set(by_step_b) - set(by_step_a))]
-        for step in sorted(set(by_step_a) & set(by_step_b)):
+        common, steps_a, steps_b = sides(sorted(by_step_a), sorted(by_step_b))
+        only_a += [(s, rank) for s in steps_a]
+        only_b += [(s, rank) for s in steps_b]
+        for step in common:
             sa, sb = by_step_a[step], by_step_b[step]
             common = [k for k in sa["keys"] if k in sb["keys"]]
             result = StepDiff(step, rank, len(common))
             for key in common:
                 ea, eb = sa["keys"][key], sb["keys"][key]
-                share = max(_of_limit(ea.get(f), eb.get(f), tol.atol, tol.rtol) for f in _FIELDS)
+                share = max(of_limit(ea.get(f), eb.get(f), tol) for f in _FIELDS)
                 if share > result.worst_of_limit:
                     result.worst, result.worst_of_limit = key, share
                 out = any(
-                    not _close(ea.get(f), eb.get(f), tol.atol, tol.rtol) for f in _FIELDS
+                    not close(ea.get(f), eb.get(f), tol) for f in _FIELDS
                 ) or bool(ea.get("nonfinite")) != bool(eb.get("nonfinite"))
                 if out:
                     result.failed.append(key)
@@ -166,12 +156,3 @@ def diff_runs(
         )
     return RunDiff(Path(a), Path(b), tol, steps, only_a, only_b, first_values)
 
-
-def _close(a: float | None, b: float | None, atol: float, rtol: float) -> bool:
-    if a is None or b is None:
-        return a == b
-    if math.isnan(a) or math.isnan(b):
-        return math.isnan(a) and math.isnan(b)
-    if math.isinf(a) or math.isinf(b):
-        return a == b
-    return abs(a - b) <= atol + rtol * abs(b)
