@@ -205,7 +205,7 @@ def test_lazy_packages_name_nothing_after_one_of_their_modules():
     import importlib
     import pkgutil
 
-    for package in ("modeltap.capture", "modeltap.loading", "modeltap.record"):
+    for package in ("modeltap.capture", "modeltap.diff", "modeltap.loading", "modeltap.record"):
         module = importlib.import_module(package)
         submodules = {info.name for info in pkgutil.iter_modules(module.__path__)}
         assert not submodules & set(module.__all__), package
