@@ -294,7 +294,7 @@ def main() -> None:
             f"{rows} x {length} ids (generate: 16 + {shape(args.tiny)['new_tokens']}); "
             f"built and saved in {built:.0f} s\n"
         )
-        verbs = [verb for verb in SIDES if verb != "stats"]
+        verbs = ["dump", "grads", "generate"]
         commands = {verb: command(verb, folder, args, scratch) for verb in verbs}
         order = [side for pair in SIDES.values() for side in pair]
         sides = {side: fresh(side, folder, args, scratch) for side in dict.fromkeys(order)}
