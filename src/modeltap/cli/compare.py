@@ -18,7 +18,7 @@ from modeltap.cli.app import (
     stdout,
     write_atomically,
 )
-from modeltap.cli.inputs import offered_flags, sorted_inputs
+from modeltap.cli.inputs import command_name, offered_flags, sorted_inputs
 from modeltap.cli.options import (
     KEYS,
     OUTPUT,
@@ -276,7 +276,12 @@ def compare_command(
         )  # fmt: skip
         raise typer.Exit(0 if passed else 1)
 
-    report = _run(s, variant, options, work)
+    from modeltap.compare.forward_run import compare_forward_run
+
+    report = compare_forward_run(
+        s, variant, options, work, command=f"modeltap {command_name()}",
+        offered=offered_flags(), note=note, status=stderr().status,
+    )  # fmt: skip
     report.preset = preset_name
     _write_report(report, work, junit=junit, html=html, json_out=json_out, show_all=show_all)
     raise typer.Exit(0 if report.passed else 1)
@@ -419,103 +424,9 @@ def _out_dir(path: str | None) -> Path | None:
     return folder
 
 
-def _run(s: Settings, variant: Any, options: Any, work: Path | None) -> Any:
-    import dataclasses
-    import tempfile
-
-    from modeltap.cli.dump import _load_with_inputs, _run_metadata, note_missing_weights
-    from modeltap.compare import compare_models, make_candidate
-    from modeltap.compare.variants import compute_dtype, model_device
-    from modeltap.loading import load_model
-    from modeltap.selection import Selection, select_modules
-
-    err = stderr()
-    with err.status(f"loading {s.model}"):
-        loaded, inputs, _ = _load_with_inputs(s)
-        shared = s.candidate is None
-        other = None
-        if not shared:
-            other = load_model(
-                s.candidate or "",
-                revision=s.revision,
-                model_class_name=s.model_class,
-                dtype=s.dtype,
-                device=s.device,
-                trust_remote_code=s.trust_remote_code,
-                allow_missing_weights=s.allow_missing_weights,
-            )
-            note_missing_weights(other)
-        if other is not None:
-            from modeltap.compare.variants import check_same_architecture
-
-            check_same_architecture(
-                loaded.model, other.model, s.map, (s.model or "", s.candidate or "")
-            )
-        base = loaded.model if other is None else other.model
-        candidate = make_candidate(base, variant, shared=shared)
-    inputs = _no_cache(loaded.model, inputs, s.use_cache)
-    modules = select_modules(loaded.model, Selection(s.depth, tuple(s.include), tuple(s.exclude)))
-    note, rename = "", list(s.map)
-    if variant.backend:
-        from modeltap.compare.backends import COMPILED_RENAME, transform
-
-        with err.status(f"{variant.backend} of the modules at --depth {s.depth}"):
-            note = transform(variant.backend, candidate, loaded.model, inputs, s.depth)
-        rename += COMPILED_RENAME if variant.backend == "compile" else ()
-    options = dataclasses.replace(
-        options, rename=rename, replay_depth=s.depth if variant.backend else None
-    )
-    ref_meta = _run_metadata(s, loaded)
-    cand_meta = {
-        "model": s.candidate or s.model or "",
-        "variant": variant.label,
-        "dtype": str(compute_dtype(candidate)).removeprefix("torch."),
-        "device": str(model_device(candidate)),
-    }
-    if other is not None and other.missing_weights:
-        cand_meta["missing_weights"] = json.dumps(other.missing_weights)
-    with tempfile.TemporaryDirectory(prefix="modeltap-compare-") as tmp:
-        with err.status(f"comparing {loaded.model_class} with {variant.label}"):
-            report = compare_models(
-                loaded.model,
-                candidate,
-                inputs,
-                modules,
-                work or tmp,
-                options=options,
-                keep=work is not None,
-                stats_only=s.stats_only,
-                metadata=(ref_meta, cand_meta),
-            )
-    report.replay_note = note
-    if shared:
-        from modeltap.compare.variants import unchanged
-
-        warning = unchanged(loaded.model, candidate, variant)
-        report.warnings += [warning] if warning else []
-    report.reference = {**ref_meta, "model_class": loaded.model_class}
-    report.candidate = {**cand_meta, "model_class": type(candidate).__name__}
-    return report
-
-
 def _default_preset(name: str) -> str:
     """`name`, or fp32 when the tolerance presets have no such preset (a user's own
     tolerances.toml may leave it out); a preset that is there but wrong is an error."""
     from modeltap.config import preset_names
 
     return name if name in preset_names() else "fp32"
-
-
-def _no_cache(model: Any, inputs: Any, use_cache: bool) -> Any:
-    """use_cache=False unless asked: a cache is state, and a replayed module would see it."""
-    import inspect
-
-    from modeltap.loading import Inputs
-
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return inputs
-    if "use_cache" not in params or "use_cache" in inputs.kwargs:
-        return inputs
-    return Inputs(inputs.args, {**inputs.kwargs, "use_cache": use_cache}, inputs.description)

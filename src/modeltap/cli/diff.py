@@ -8,15 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from modeltap.cli.app import (
-    app,
-    given,
-    handle_errors,
-    refuse,
-    settings,
-    stdout,
-    write_atomically,
-)
+from modeltap.cli.app import app, given, handle_errors, refuse, stdout, write_atomically
 from modeltap.cli.options import (
     OUTPUT,
     AtolOpt,
@@ -34,6 +26,8 @@ from modeltap.cli.options import (
     UpcastOpt,
 )
 from modeltap.config import Settings
+from modeltap.diff_report import diff_report, diff_settings
+from modeltap.errors import InputError
 
 
 @app.command("diff")
@@ -65,7 +59,8 @@ def diff_command(
 ) -> None:
     """Compare two dumps, or two run folders of modeltap.record step by step; exit 0 when every
     tensor is within tolerance, 1 when not."""
-    from modeltap.diff import Tolerance, junit_xml
+    from modeltap.diff.dumps import junit_xml
+    from modeltap.diff.tolerance import Tolerance
     from modeltap.dump import check_writable
 
     if a.is_dir() or b.is_dir():
@@ -91,16 +86,14 @@ def diff_command(
     if junit is not None:
         check_writable(junit, "--junit")
     if html is not None:
-        from modeltap.cli.report import check_html_target
+        from modeltap.render.report.write import check_html_target
 
         check_html_target(html)
     overrides = [(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()]
-    from modeltap.generation_diff import is_generation
+    from modeltap.diff.generations import is_generation
 
     if is_generation(a) or is_generation(b):
-        from modeltap.cli.generate import print_generation_diff
-
-        passed = print_generation_diff(
+        passed = _print_generation_diff(
             a, b, s, Tolerance(**values), overrides, json_out=json_out, show_all=show_all,
             junit=junit, html=html,
         )  # fmt: skip
@@ -109,8 +102,9 @@ def diff_command(
     if junit is not None:
         write_atomically(junit, junit_xml(report))
     if html is not None:
-        from modeltap.cli.report import invocation, write_html
+        from modeltap.cli.printing import write_html
         from modeltap.render.report import diff_page
+        from modeltap.render.report.write import invocation
 
         command = invocation("diff", [str(a), str(b), "--html", str(html)])
         write_html(html, diff_page(report, command=command))
@@ -137,9 +131,9 @@ def _diff_runs(
     show_all: bool,
     json_out: bool,
 ) -> None:
-    from modeltap.diff import Tolerance
+    from modeltap.diff.runs import diff_runs
+    from modeltap.diff.tolerance import Tolerance
     from modeltap.errors import InputError
-    from modeltap.record.rundiff import diff_runs
 
     if not (a.is_dir() and b.is_dir()):
         raise InputError("give two run folders (or two dump files), not one of each")
@@ -154,34 +148,45 @@ def _diff_runs(
     raise typer.Exit(0 if report.passed else 1)
 
 
-def diff_settings(
-    config: Path | None, *, atol: float | None, rtol: float | None, **flags: Any
-) -> tuple[Settings, dict[str, float]]:
-    """diff's settings (flags < config files) and tolerance values (preset < settings < flags),
-    as `diff`, `report A B` and run diffs all read them: a preset made for comparing dtypes
-    (`upcast = true`: bf16, fp16) turns --upcast on unless --no-upcast was given."""
-    from modeltap.config import read_preset, tolerance_values
+def _print_generation_diff(
+    a: Path,
+    b: Path,
+    s: Settings,
+    tolerance: Any,
+    overrides: Any,
+    *,
+    json_out: bool,
+    show_all: bool,
+    junit: Path | None,
+    html: Path | None = None,
+) -> bool:
+    """`modeltap diff` of two generation dumps: the token split and each common step."""
+    import json
 
-    s = settings("diff", config, **flags)
-    values = tolerance_values(s, atol=atol, rtol=rtol, preset=s.preset)
-    if flags.get("upcast") is None and s.preset and read_preset(s.preset).get("upcast"):
-        s.upcast = True
-    return s, values
+    from modeltap.diff.generations import diff_generations
 
-
-def diff_report(a: Path, b: Path, s: Settings, values: dict[str, float]) -> Any:
-    """`diff_dumps` of A and B with diff's settings and tolerance values (see diff_settings)."""
-    from modeltap.diff import Tolerance, diff_dumps
-
-    return diff_dumps(
-        a,
-        b,
-        tolerance=Tolerance(**values),
-        overrides=[(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()],
-        rename=s.map,
-        include=s.include,
-        exclude=s.exclude,
-        equal_nan=s.equal_nan,
-        upcast=s.upcast,
-        strict=s.strict,
+    unsupported = [
+        flag
+        for flag, given in (
+            ("--map", s.map), ("--include", s.include), ("--exclude", s.exclude),
+            ("--strict", s.strict), ("--junit", junit), ("--html", html),
+        )
+        if given
+    ]  # fmt: skip
+    if unsupported:
+        raise InputError(
+            f"{unsupported[0]} is for one-forward dumps; diff generation dumps without it, or "
+            "one step of each with `modeltap show FILE --step K`"
+        )
+    report = diff_generations(
+        a, b, tolerance=tolerance, overrides=overrides, equal_nan=s.equal_nan, upcast=s.upcast
     )
+    if json_out:
+        print(json.dumps(report.to_json(), indent=1))
+        return report.passed
+    from modeltap.render.generation import generation_diff_heading, generation_diff_table
+
+    console = stdout()
+    console.print(generation_diff_heading(report))
+    console.print(generation_diff_table(report, show_all=show_all))
+    return report.passed

@@ -3,15 +3,13 @@ TorchScript trace (`.pt`) that keeps the record of every module's output structu
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from modeltap.cli.app import app, given, handle_errors, refuse, settings, stderr
+from modeltap.cli.inputs import command_name, offered_flags
 from modeltap.cli.options import (
     OUTPUT,
     AllowMissingWeightsOpt,
@@ -24,7 +22,8 @@ from modeltap.cli.options import (
     TokenizerOpt,
     TrustOpt,
 )
-from modeltap.errors import InputError, first_line
+from modeltap.cli.printing import note
+from modeltap.errors import InputError
 
 
 @app.command("export")
@@ -78,7 +77,9 @@ def export(
     )
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
-    from modeltap.loading.archive import TORCHSCRIPT_SUFFIXES, is_archive_path
+    from modeltap.exporting import export as export_model
+    from modeltap.exporting import is_trace
+    from modeltap.loading.archive import is_archive_path
 
     if is_archive_path(s.model):
         raise InputError(
@@ -98,11 +99,7 @@ def export(
     if not s.texts and not s.input_file and not factory:
         raise InputError("torch.export traces one run: give TEXT or --input-file")
     path = Path(s.out) if s.out else Path(f"{Path(s.model.rstrip('/')).name or 'model'}.pt2")
-    traced = path.suffix in TORCHSCRIPT_SUFFIXES
-    if path.suffix != ".pt2" and not traced:
-        raise InputError(
-            f"'{path}' must end in .pt2 (torch.export's archive) or .pt (a TorchScript trace)"
-        )
+    traced = is_trace(path)
     if traced:
         refuse(
             [] if dynamic is None else ["--dynamic" if dynamic else "--static"],
@@ -110,78 +107,32 @@ def export(
             "drop {flags}, or write a .pt2",
         )
     from modeltap.dump import check_writable
+    from modeltap.loading.resolve import resolve
 
     check_writable(path)
     err = stderr()
     with err.status(f"loading {s.model}"):
-        if factory:
-            from modeltap.cli.dump import _load_transformed
-
-            loaded, inputs_, _, backend = _load_transformed(s)
-            if backend is not None:
-                raise InputError(f"'{s.model}' is already a graph; export its nn.Module instead")
-        else:
-            from modeltap.cli.dump import _load_with_inputs
-
-            loaded, inputs_, _ = _load_with_inputs(s)
-    net = loaded.model
-    config_ = getattr(net, "config", None)
-    if getattr(config_, "use_cache", False):
-        config_.use_cache = False  # a cache object in the output can't be exported
-        err.print("note: exporting with use_cache=False")
-    import torch
-
-    if traced:
-        from modeltap.capture.torchscript import save_traced
-
-        def trace(tmp: Path) -> list[str]:
-            try:
-                return save_traced(net, inputs_.args, inputs_.kwargs, tmp)
-            except OSError:  # writing the archive, not tracing (a full disk is one line)
-                raise
-            except Exception as exc:  # tracing raises many kinds
-                raise InputError(
-                    f"torch.jit.trace can't trace {loaded.model_class}: {first_line(exc)}; "
-                    "export it to a .pt2 instead (MODELTAP_DEBUG=1 shows why)"
-                ) from exc
-
-        with err.status(f"tracing {loaded.model_class}"):
-            caught = _saved(path, trace)
-        if caught:
+        resolved = resolve(
+            s, command=f"modeltap {command_name()}", offered=offered_flags(), note=note
+        )
+    if resolved.backend is not None:
+        raise InputError(f"'{s.model}' is already a graph; export its nn.Module instead")
+    done = export_model(
+        resolved.loaded.model, resolved.inputs, path, dynamic=s.dynamic, note=err.print,
+        status=err.status,
+    )  # fmt: skip
+    if done.traced:
+        if done.constants:
             err.print(
-                f"note: torch.jit.trace took {len(caught)} Python value(s) computed from the "
-                "inputs as constants; inputs of other shapes may not fit the trace"
+                f"note: torch.jit.trace took {len(done.constants)} Python value(s) computed from "
+                "the inputs as constants; inputs of other shapes may not fit the trace"
             )
         err.print(
             f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, TorchScript trace with the "
             "modules' output structure)"
         )
         return
-    from modeltap.capture.export import export_program
-
-    with err.status(f"exporting {loaded.model_class}"):
-        program = export_program(net, inputs_.args, inputs_.kwargs, dynamic=s.dynamic)
-    from modeltap.capture.export import MODULES_FILE, describe_shapes, module_classes
-
-    classes = json.dumps(module_classes(net))
-    _saved(
-        path, lambda tmp: torch.export.save(program, str(tmp), extra_files={MODULES_FILE: classes})
-    )
-    signatures = sum(1 for e in program.module_call_graph if e.signature is not None)
     err.print(
-        f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {signatures} module signatures, "
-        f"{describe_shapes(program)})"
+        f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {done.signatures} module signatures, "
+        f"{done.shapes})"
     )
-
-
-def _saved(path: Path, save: Callable[[Path], Any]) -> Any:
-    """`save(tmp)` into a hidden file beside `path`, moved into place only when it succeeded and
-    removed on any failure. The name keeps `path`'s suffix: torch.export.save wants `.pt2`."""
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        result = save(tmp)
-        os.replace(tmp, path)
-        return result
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -8,7 +8,9 @@ from typing import Annotated
 import typer
 
 from modeltap.cli.app import app, given, handle_errors, refuse, settings
-from modeltap.cli.dump import refuse_unused, run_dump, sorted_inputs
+from modeltap.cli.capturing import run_dump
+from modeltap.cli.checks import refuse_unused
+from modeltap.cli.inputs import sorted_inputs
 from modeltap.cli.options import (
     OUTPUT,
     RUNNING,

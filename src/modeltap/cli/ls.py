@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from modeltap.cli.app import app, given, handle_errors, refuse, settings, stdout
+from modeltap.cli.checks import refuse_pickle_flag
 from modeltap.cli.options import (
     AllowPickleOpt,
     ConfigOpt,
@@ -67,8 +68,8 @@ def list_modules(
     )
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
-    from modeltap.cli.dump import _is_transformed, _module_tree, refuse_pickle_flag
     from modeltap.loading.placement import placement
+    from modeltap.loading.transformed import is_transformed, transformed_tree
     from modeltap.selection import Selection, select_modules
 
     refuse_pickle_flag(s.model, allow_pickle)
@@ -79,7 +80,7 @@ def list_modules(
             "can't apply without --device-map (it sizes the weights to place)",
             "add --device-map auto or drop {flags}",
         )
-    if planned is None and not _is_transformed(s.model):
+    if planned is None and not is_transformed(s.model):
         # a Hugging Face model's tree comes from the cache when an earlier run stored it
         from modeltap.loading.tree_cache import module_tree
         from modeltap.render import module_table
@@ -97,14 +98,14 @@ def list_modules(
         )
         stdout().print(module_table(modules, names))
         return
-    if _is_transformed(s.model):
+    if is_transformed(s.model):
         if planned is not None:
             raise InputError("--device-map is for Hugging Face models; an archive loads on the CPU")
         refuse(
             given(revision=revision, model_class=model_class, trust_remote_code=trust_remote_code),
             f"can't apply to '{s.model}', an archive or a factory (they load Hugging Face models)",
         )
-        meta_model = _module_tree(s.model, bool(allow_pickle))
+        meta_model = transformed_tree(s.model, bool(allow_pickle))
     else:
         from modeltap.loading import load_meta_model
 

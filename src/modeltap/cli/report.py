@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import shlex
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from modeltap.cli.app import app, handle_errors, stderr
+from modeltap.cli.app import app, handle_errors
 from modeltap.cli.options import (
     OUTPUT,
     AtolOpt,
@@ -23,33 +21,8 @@ from modeltap.cli.options import (
     StrictOpt,
     UpcastOpt,
 )
+from modeltap.cli.printing import write_html
 from modeltap.errors import InputError
-
-
-def invocation(command: str, args: list[str]) -> str:
-    """The command line that made a page, for its footer: the real one when run as `modeltap`,
-    else the command and its arguments as this process received them."""
-    if Path(sys.argv[0]).name in ("modeltap", "__main__.py"):
-        return shlex.join(["modeltap", *sys.argv[1:]])
-    return shlex.join(["modeltap", command, *args])
-
-
-def write_html(path: Path, page: Any) -> None:
-    """Render and write a page atomically (a failure leaves nothing at `path`), and say so on
-    stderr (stdout may hold --json)."""
-    from modeltap.render.report import render, write_page
-
-    write_page(path, render(page))
-    stderr().print(f"wrote {path}", highlight=False, soft_wrap=True)
-
-
-def check_html_target(path: Path, option: str = "--html") -> None:
-    """Before any work: the report extra is installed and `path` can be written."""
-    from modeltap.dump import check_writable
-    from modeltap.render.report import require
-
-    require()
-    check_writable(path, option)
 
 
 @app.command("report")
@@ -91,6 +64,8 @@ def report_command(
             f"{len(inputs)} inputs; give one (a dump, a compare .json or a run folder) or two "
             "dumps to diff"
         )
+    from modeltap.render.report.write import check_html_target, invocation
+
     first = inputs[0]
     target = out or Path(first.resolve().name + ".html")
     check_html_target(target, "-o/--out")
@@ -134,7 +109,7 @@ def report_command(
 
 
 def _diff_page(a: Path, b: Path, command: str, *, config: Path | None, **flags: Any) -> Any:
-    from modeltap.cli.diff import diff_report, diff_settings
+    from modeltap.diff_report import diff_report, diff_settings
     from modeltap.render.report import diff_page
 
     s, values = diff_settings(config, **flags)

@@ -12,6 +12,7 @@ from modeltap.cli.app import app, handle_errors, stderr, stdout
 from modeltap.cli.options import (
     JsonOpt,
 )
+from modeltap.cli.printing import print_generation, print_opened
 from modeltap.errors import InputError
 
 
@@ -71,28 +72,6 @@ def show(
     print_opened(opened, json_out=json_out)
 
 
-def print_generation(opened: Any, *, step: int | None, json_out: bool) -> None:
-    """A generation dump: the prompt, the text and each step's token; with `step`, its tree."""
-    from modeltap.generate import generation_meta, step_view
-
-    if step is not None:
-        view = step_view(opened, step)
-        if not json_out:
-            stdout().print(f"{opened.path.name}: decoding step {step}", style="bold")
-        print_opened(view, json_out=json_out)
-        return
-    from modeltap.render.generation import generation_heading, generation_json, generation_table
-
-    gen = generation_meta(opened)
-    if json_out:
-        print(json.dumps(generation_json(opened, gen), indent=1))
-        return
-    console = stdout()
-    console.print(generation_heading(opened, gen))
-    console.print(generation_table(gen))
-    console.print("`modeltap show FILE --step K` shows step K's tree", style="dim")
-
-
 def print_run(run: Any, *, rank: int, json_out: bool) -> None:
     from modeltap.render import run_heading, run_json, run_table
 
@@ -106,26 +85,3 @@ def print_run(run: Any, *, rank: int, json_out: bool) -> None:
     console = stdout()
     console.print(run_heading(run, rank))
     console.print(run_table(run, rank, width=console.width))
-
-
-def print_opened(opened: Any, *, json_out: bool) -> None:
-    from modeltap.render import (
-        activation_keys,
-        dump_heading,
-        dump_json,
-        dump_table,
-        grad_meta,
-        grads_heading,
-        grads_table,
-    )
-
-    if json_out:
-        print(json.dumps(dump_json(opened), indent=1))
-        return
-    console = stdout()
-    console.print(dump_heading(opened))
-    if activation_keys(opened):
-        console.print(dump_table(opened, width=console.width))
-    if grad_meta(opened) is not None:
-        console.print(grads_heading(opened))
-        console.print(grads_table(opened, width=console.width))

@@ -1,4 +1,8 @@
-"""Where models and inputs come from: `hf` (Hub id or folder), `inputs` (text, tensor files).
+"""Where models and inputs come from: `hf` (Hub id or folder), `inputs` (text, tensor files),
+`processors` (images, audio), `archive` and `factory` (with `transformed`: a .pt2, a TorchScript
+archive or a `pkg.module:factory` and the backend it runs on), `placement`; `resolve`, the one
+resolver every command calls (settings -> model, inputs, tokenizer, backend, run metadata), and
+`generator` (a model that generates, with its tokenizer).
 
 Each module is imported when one of its names is first used: the CLI's option declarations need the
 `hf` enums, not the input readers.

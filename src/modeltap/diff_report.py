@@ -1,0 +1,44 @@
+"""`diff` and `report A B` read two dumps the same way: their settings (flags < config files) and
+tolerance values (preset < settings < flags), then `diff_dumps` with them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from modeltap.config import Settings
+    from modeltap.diff import DiffReport
+
+
+def diff_settings(
+    config: Path | None, *, atol: float | None, rtol: float | None, **flags: Any
+) -> tuple[Settings, dict[str, float]]:
+    """diff's settings (flags < config files) and tolerance values (preset < settings < flags),
+    as `diff`, `report A B` and run diffs all read them: a preset made for comparing dtypes
+    (`upcast = true`: bf16, fp16) turns --upcast on unless --no-upcast was given."""
+    from modeltap.config import load_settings, read_preset, tolerance_values
+
+    s = load_settings("diff", config_file=config, flags=flags)
+    values = tolerance_values(s, atol=atol, rtol=rtol, preset=s.preset)
+    if flags.get("upcast") is None and s.preset and read_preset(s.preset).get("upcast"):
+        s.upcast = True
+    return s, values
+
+
+def diff_report(a: Path, b: Path, s: Settings, values: dict[str, float]) -> DiffReport:
+    """`diff_dumps` of A and B with diff's settings and tolerance values (see diff_settings)."""
+    from modeltap.diff import Tolerance, diff_dumps
+
+    return diff_dumps(
+        a,
+        b,
+        tolerance=Tolerance(**values),
+        overrides=[(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()],
+        rename=s.map,
+        include=s.include,
+        exclude=s.exclude,
+        equal_nan=s.equal_nan,
+        upcast=s.upcast,
+        strict=s.strict,
+    )
