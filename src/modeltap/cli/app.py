@@ -99,6 +99,12 @@ class PanelCommand(TyperCommand):
     80 columns), with options grouped under their `rich_help_panel` heading."""
 
     def format_options(self, ctx: Any, formatter: Any) -> None:
+        for heading, records in self.help_sections(ctx).items():
+            with formatter.section(heading):
+                formatter.write_dl(records)
+
+    def help_sections(self, ctx: Any) -> dict[str, list[tuple[str, str]]]:
+        """Each heading of `--help`, in order, with its (flags, help) rows."""
         sections: dict[str, list[tuple[str, str]]] = {}
         for param in self.get_params(ctx):
             record = param.get_help_record(ctx)
@@ -111,9 +117,8 @@ class PanelCommand(TyperCommand):
                 heading = getattr(param, "rich_help_panel", None) or "Options"
             sections.setdefault(heading, []).append(record)
         known = [*PANEL_ORDER, "Options"]
-        for heading in sorted(sections, key=lambda h: known.index(h) if h in known else 0):
-            with formatter.section(heading):
-                formatter.write_dl(sections[heading])
+        order = sorted(sections, key=lambda h: known.index(h) if h in known else 0)
+        return {heading: sections[heading] for heading in order}
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         """A usage error is one line that names the fix, like every other modeltap error."""

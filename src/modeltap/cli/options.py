@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -224,14 +224,24 @@ def _setting(value: Any) -> Any:
     return value
 
 
-def settings_flags(names: Iterable[str]) -> list[str]:
-    """Every flag of the named parameters, as `--help` lists them (for documentation checks)."""
-    flags = []
-    for pname in names:
-        d = declaration(pname)
-        for flag in d.flags or (f"--{pname.replace('_', '-')}",):
-            flags.extend(flag.split("/"))
-    return flags
+def option_table(name: str) -> str:
+    """A markdown table of `modeltap NAME`'s parameters as its `--help` lists them (headings,
+    order, flags, help): what a page documenting the command shows, made from the declarations."""
+    from typer.main import get_command
+
+    from modeltap.cli.app import app
+
+    group = get_command(app)
+    parent = group.make_context("modeltap", [name], resilient_parsing=True)
+    command = group.get_command(parent, name)
+    ctx = command.make_context(name, [], parent=parent, resilient_parsing=True)
+    lines = ["| option | meaning |", "|---|---|"]
+    for heading, records in command.help_sections(ctx).items():
+        lines.append(f"| **{heading}** | |")
+        for flags, text in records:
+            flags, meaning = flags.replace("|", "\\|"), text.replace("|", "\\|")
+            lines.append(f"| `{flags}` | {meaning} |")
+    return "\n".join(lines) + "\n"
 
 
 # The shared options as typer types, for the commands not yet built by `command`.

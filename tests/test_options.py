@@ -1,0 +1,55 @@
+"""The option declarations against what commands show (`--help`) and what the README says."""
+
+import re
+from pathlib import Path
+
+import pytest
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from modeltap.cli import app
+from modeltap.cli.app import COMMANDS
+from modeltap.cli.options import option_table
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _flags(command_name):
+    command = get_command(app).get_command(None, command_name)
+    return {f for p in command.params for f in [*p.opts, *getattr(p, "secondary_opts", [])]}
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_option_table_lists_what_help_lists_in_its_order(name):
+    help_text = CliRunner().invoke(app, [name, "--help"], env={"COLUMNS": "300"}).output
+    table = option_table(name)
+    rows = [line for line in table.splitlines()[2:] if not line.startswith("| **")]
+    headings = re.findall(r"^\| \*\*(\w+)\*\* \|", table, re.M)
+    assert headings == re.findall(r"^(\w+):$", help_text, re.M)
+    cells = [row.split("`")[1].replace("\\|", "|") for row in rows]
+    at = 0
+    for cell in cells:  # each row's flags start a line of --help, in the table's order
+        at = help_text.index(f"\n  {cell.split(',')[0].split()[0]}", at) + 1
+    listed = {f for cell in cells for f in re.findall(r"--[\w][\w-]*", cell)} - {"--help"}
+    assert listed == {f for f in _flags(name) if f.startswith("--")}
+
+
+def _readme_rows():
+    """Each command's README option-table rows: (command, the flags its first cell names)."""
+    command = None
+    for line in README.read_text().splitlines():
+        heading = re.match(r"^#{2,4} .*?`modeltap (\w+)", line)
+        if heading:
+            command = heading.group(1)
+        elif re.match(r"^#{2,3} ", line):
+            command = None
+        elif command and line.startswith("| `"):
+            yield command, re.findall(r"--[\w][\w-]*", line.split("|")[1])
+
+
+def test_readme_option_tables_name_only_options_their_command_has():
+    rows = list(_readme_rows())
+    assert sum(len(flags) for _, flags in rows) > 20
+    for command, flags in rows:
+        unknown = sorted(set(flags) - _flags(command))
+        assert not unknown, f"README's `modeltap {command}` table names {unknown}"
