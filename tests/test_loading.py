@@ -278,3 +278,30 @@ def test_missing_parameters_leaves_out_buffers_and_loaded_aliases(gpt2_dir, bert
     assert missing_parameters(model, {"lm_head.weight"}) == []  # wte.weight loaded
     both = {"lm_head.weight", "transformer.wte.weight", "transformer.ln_f.bias"}
     assert missing_parameters(model, both) == sorted(both)
+
+
+def test_the_resolver_loads_the_model_and_its_inputs_as_transformers_does(
+    bert_dir, tmp_path
+) -> None:
+    # loading/resolve.py: what every command loads through, against transformers called directly
+    import transformers
+
+    from modeltap.config import load_settings
+    from modeltap.loading.resolve import resolve, run_metadata
+
+    texts = ["hello world", "a longer second sentence"]
+    s = load_settings("dump", flags={"model": str(bert_dir), "texts": texts}, cwd=tmp_path)
+    notes: list[str] = []
+    done = resolve(s, note=notes.append)
+    want = transformers.AutoTokenizer.from_pretrained(bert_dir)(
+        texts, return_tensors="pt", padding=True
+    )
+    for name, value in want.items():
+        assert torch.equal(done.inputs.kwargs[name], value), name
+    reference = transformers.AutoModel.from_pretrained(bert_dir).state_dict()
+    got = done.loaded.model.state_dict()
+    assert got.keys() == reference.keys()
+    assert all(torch.equal(got[k], reference[k]) for k in reference)
+    assert done.backend is None and done.tokenizer is not None and notes == []
+    meta = {"model": str(bert_dir), "dtype": "float32", "device": "cpu"}
+    assert run_metadata(s, done.loaded) == meta
