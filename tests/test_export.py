@@ -355,3 +355,30 @@ def test_export_names_the_dims_that_stayed_static(caplog: pytest.LogCaptureFixtu
     )
     with pytest.raises(InputError, match="torch.export fixed that dim to the example's size 1"):
         flat_inputs(one_token, (torch.randn(1, 3, 4),), {})
+
+
+@pytest.mark.parametrize("name", ["m.pt2", "m.pt"])
+def test_the_export_verb_writes_an_archive_that_runs_as_the_eager_model(
+    tmp_path: Path, name: str
+) -> None:
+    # modeltap.export(model, inputs, path): the library verb `modeltap export` calls
+    import modeltap
+    from modeltap.loading import Inputs
+
+    torch.manual_seed(0)
+    model = nested().eval()
+    x = torch.randn(2, 5, 4)
+    done = modeltap.export(model, x, tmp_path / name)
+    assert done.path == tmp_path / name and done.traced == name.endswith(".pt")
+    assert [p.name for p in tmp_path.iterdir()] == [name]  # no temporary file left
+    other = torch.randn(2, 5, 4)
+    if done.traced:
+        got = torch.jit.load(str(done.path))(other)
+    else:
+        assert done.signatures > 0
+        got = torch.export.load(str(done.path)).module()(other)
+    with torch.no_grad():
+        want = model(other)
+    torch.testing.assert_close(got, want, **OTHER_GRAPH)
+    with pytest.raises(InputError, match="must end in .pt2"):
+        modeltap.export(model, Inputs((x,), {}, {}), tmp_path / "m.onnx")

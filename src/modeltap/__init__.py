@@ -62,6 +62,7 @@ _EXPORTS = {
     "compare_models": "modeltap.compare",
     "generate_model": "modeltap.generate",
     "step_view": "modeltap.generate",
+    "export": "modeltap.exporting",
 }
 
 __all__ = [
@@ -75,6 +76,7 @@ __all__ = [
     "__version__",
     "capture",
     "dump_model",
+    "export",
     "file_inputs",
     "generate_model",
     "hooks",
@@ -92,6 +94,7 @@ if TYPE_CHECKING:
     from modeltap.capture import Captured, hooks
     from modeltap.dump import Dump, DumpWriter, load_dump
     from modeltap.errors import ModeltapError
+    from modeltap.exporting import export
     from modeltap.generate import generate_model, step_view
     from modeltap.loading import Inputs, file_inputs, load_model, text_inputs
     from modeltap.loading.processors import inputs_from
