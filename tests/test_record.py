@@ -849,7 +849,6 @@ def test_a_float16_backward_overflow_on_an_unrecorded_step_is_named_by_the_rerun
     assert _trip_fields(trip) == _trip_fields(trips[True])
 
 
-
 def test_the_verbs_stay_bound_over_their_packages(tmp_path: Path) -> None:
     # `modeltap.record` and `modeltap.capture` are verbs and packages of the same names. A new
     # process imports a module of each package first (the import system binds a package on its
@@ -871,3 +870,32 @@ print(*sorted(p.name for p in run.glob("step*")))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["step000000.rank0.safetensors"]
+
+
+def test_record_takes_the_options_as_keywords_declared_once(tmp_path: Path) -> None:
+    import inspect
+
+    from modeltap.record import RecordOptions
+    from modeltap.record.recording import record
+
+    # record()'s documented keywords and defaults, as they were written out before RecordOptions
+    documented = {
+        "every": 100, "grads": True, "params": True, "stats_only": True, "full_every": None,
+        "include": (), "exclude": (), "depth": None, "on_nonfinite": "raise", "rules": None,
+        "gather": False, "dead_threshold": 0.0, "start_step": None, "hist": False,
+        "eval": False, "eval_batches": 1, "scaler": None, "resume": False, "overwrite": False,
+        "keep_last": 8, "flight": False, "eager_tripwire": False,
+    }  # fmt: skip
+    params = inspect.signature(record).parameters
+    assert list(params)[:2] == ["model", "out_dir"]
+    keywords = {n: p.default for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+    assert keywords == documented and list(keywords) == list(documented)
+    net = nn.Linear(2, 2)
+    rec = modeltap.record(net, tmp_path / "run", every=3, on_nonfinite="dump-warn", keep_last=2)
+    assert isinstance(rec.options, RecordOptions)
+    assert (rec.options.every, rec.options.keep_last, rec.options.flight) == (3, 2, True)
+    assert rec.selection.depth is None and rec.options.rules  # the default rules
+    with pytest.raises(InputError, match="every must be a whole number"):
+        RecordOptions(every=0)
+    with pytest.raises(TypeError, match="evry"):
+        modeltap.record(net, tmp_path / "run", evry=3)

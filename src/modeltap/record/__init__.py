@@ -1,9 +1,13 @@
 """Recording during training: `record` (steps, ranks), the non-finite tripwire, rules, the index.
 
-One module per concern: `recording` (the recorder and its hooks), `tripwire` (which module made
-the first NaN/Inf), `rules` (small functions over statistics), `index` (the per-rank index that
-`modeltap show DIR` reads), `dist` (ranks and sharded tensors). Importing this package imports no
-torch, and each of these modules only when one of its names is first used.
+One module per concern: `recording` (`record` and `Recording`, the recorder, whose parts are
+`options` (RecordOptions: record's keywords, checked), `steps`, `metadata`, `run_folder`,
+`evaluation`, `optimizer_hooks`, `nonfinite` and `trip_files`), `tripwire` (which module made the
+first NaN/Inf) and `sentinel` (the cheap check of steps not recorded), `flight` and
+`flight_replay` (a trip's module re-run offline), `rules` (small functions over statistics),
+`index` (the per-rank index that `modeltap show DIR` reads), `dist` (ranks and sharded tensors).
+Importing this package imports no torch, and each of these modules only when one of its names is
+first used.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from modeltap._lazy import lazy_names
 
 if TYPE_CHECKING:
     from modeltap.record.index import RunIndex, read_run, step_file_name
+    from modeltap.record.options import RecordOptions
     from modeltap.record.recording import Recording, record
     from modeltap.record.rules import (
         DeadUnits,
@@ -35,6 +40,7 @@ _HOMES = {
     "read_run": "index",
     "step_file_name": "index",
     "Recording": "recording",
+    "RecordOptions": "options",
     "record": "recording",
     "NonFiniteError": "tripwire",
     "Trip": "tripwire",
@@ -63,6 +69,7 @@ __all__ = [
     "ExplodingGradient",
     "NonFiniteError",
     "Observation",
+    "RecordOptions",
     "Recording",
     "Rule",
     "RuleHit",
