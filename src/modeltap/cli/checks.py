@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,11 +13,14 @@ if TYPE_CHECKING:
     from modeltap.config import Settings
 
 
-def refuse_unused(s: Settings, *, device: Any, device_map: Any, grads: bool, **flags: Any) -> None:
-    """Each flag's value is the command line's, None when not given: --device with --device-map
+def refuse_unused(
+    s: Settings, flags: Mapping[str, Any], *, grads: bool, allow_pickle: bool | None
+) -> None:
+    """`flags`: each option's command-line value, None when not given. --device with --device-map
     (a config file's device is checked with the map in `check_placement`); --max-length and
     --tokenizer without TEXT; Hub options, --dtype and --device with an archive or a factory;
     gradients or --compile with an archive; --allow-pickle with anything but a .pt2."""
+    device, device_map = flags.get("device"), flags.get("device_map")
     if device is not None and device_map is not None:
         raise InputError(
             f"give --device {device.value} or --device-map {device_map.value}, not both"
@@ -44,7 +48,7 @@ def refuse_unused(s: Settings, *, device: Any, device_map: Any, grads: bool, **f
             raise InputError(f"gradients need the eager model; dump '{s.model}' without --grads")
         if s.compile:
             raise InputError("--compile runs an nn.Module; an archive runs as it is")
-    refuse_pickle_flag(s.model, flags.get("allow_pickle"))
+    refuse_pickle_flag(s.model, allow_pickle)
 
 
 def refuse_pickle_flag(model: str, allow_pickle: bool | None) -> None:

@@ -162,6 +162,26 @@ def _annotated(kind: Any, d: CliOption) -> Any:
 
 
 Param = str | tuple[str, CliOption]
+# What `sorted_inputs` sorts into texts, images and audio, in its order.
+MEDIA = ("text", "images", "audio", "text_opt", "images_dir", "audio_dir", "limit")
+# Groups of parameters that commands take together, in `--help` order.
+INPUT = (*MEDIA, "processor", "chat", "input_file")
+SELECT = ("depth", "include", "exclude")
+HUB = ("revision", "model_class", "tokenizer", "max_length", "trust_remote_code")
+RUN = ("dtype", "device", "seed", "train_mode")
+PLACEMENT = ("device_map", "max_memory", "offload_folder")
+COMPILE = ("compile", "compile_backend", "fullgraph")
+
+
+class Given(dict[str, Any]):
+    """Each settings parameter's command-line value, None when it was not typed."""
+
+    def flags(self, *names: str) -> list[str]:
+        """The typed ones among `names`, as `--flag` (`--no-flag` for a switch turned off): for
+        refusing an option that cannot apply instead of ignoring it."""
+        from modeltap.cli.app import given
+
+        return given(**{name: self.get(name) for name in names})
 
 
 def command(name: str, *params: Param, settings: bool = True) -> Callable[..., Any]:
@@ -200,9 +220,14 @@ def command(name: str, *params: Param, settings: bool = True) -> Callable[..., A
                 return body(**values)
             from modeltap.config import load_settings
 
-            given = {k: v for k, v in values.items() if k in fields}
+            given = Given({k: v for k, v in values.items() if k in fields})
             flags = {fields[k]: _setting(v) for k, v in given.items()}
             cli = {k: v for k, v in values.items() if k not in fields and k != "config"}
+            if "text" in values:  # TEXT|FILE, --image, --audio, --text and the folders
+                from modeltap.cli.inputs import sorted_inputs
+
+                media = [cli.pop(k) if k in cli else given.get(k) for k in MEDIA]
+                flags.update(sorted_inputs(*media))
             s = load_settings(name, config_file=values.get("config"), flags=flags)
             return body(s, given, **cli)
 

@@ -159,7 +159,9 @@ class Settings:
         panel=SELECTION,
         metavar="GLOB",
     )
-    inputs: bool = False
+    inputs: bool = option(
+        False, "--inputs/--no-inputs", help="Also capture module inputs.", panel=SELECTION
+    )
     out: str | None = option(
         None,
         "--out",
@@ -168,6 +170,9 @@ class Settings:
         panel=OUTPUT,
         metavar="FILE",
         path=True,
+        variants={
+            "grads": {"help": "Output file [default: <model name>.grads.safetensors]."},
+        },
     )
     stats_only: bool = option(
         False,
@@ -246,12 +251,23 @@ class Settings:
         choices=("cpu", "cuda", "auto"),
     )
     seed: int = option(
-        0, help="torch seed set before the run [default: 0].", panel=RUNNING, metavar="N"
+        0,
+        help="torch seed set before the run [default: 0].",
+        panel=RUNNING,
+        metavar="N",
+        variants={
+            "grads": {"help": "Seed of the run and of random probes [default: 0]."},
+        },
     )
     train_mode: bool = option(
         False, "--train-mode/--eval-mode", help="Keep dropout etc. active.", panel=RUNNING
     )
-    dead_threshold: float = 0.0
+    dead_threshold: float = option(
+        0.0,
+        help="A unit is dead when never above this [default: 0].",
+        metavar="X",
+        panel=OUTPUT,
+    )
     # diff
     atol: float = option(
         1e-8,
@@ -295,7 +311,12 @@ class Settings:
         False, "--strict/--lenient", help="Keys on one side only fail too.", panel=KEYS
     )
     # grads (and dump --grads)
-    grads: bool = False
+    grads: bool = option(
+        False,
+        "--grads/--no-grads",
+        help="Also store gradients (see `modeltap grads`).",
+        panel=GRADIENTS,
+    )
     target: str | None = option(
         None,
         "--target",
