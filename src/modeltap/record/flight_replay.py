@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from modeltap.dump import Dump
+
 # Positions listed in the report; the counts cover all of them.
 SHOWN = 5
 
@@ -72,66 +74,10 @@ def replay(
     record kept; `model` is the trained model's architecture (its weights are not used)."""
     import torch
 
-    from modeltap.dump import load_dump
-    from modeltap.record.index import read_run
-
-    run = read_run(run_dir)
-    path = run.step_file(step, rank)
-    dump = load_dump(path)
-    if "flight" not in dump.metadata:
-        trip = dump.metadata.get("tripwire")
-        why = (
-            "its trip was in the backward; replay re-runs forward trips"
-            if trip and json.loads(trip).get("phase") == "backward"
-            else "record with flight=True (or on_nonfinite='dump') to keep one on a trip"
-        )
-        raise InputError(f"step {step} of '{run_dir}' has no flight record: {why}")
-    flight = json.loads(dump.metadata["flight"])
+    path, dump, flight = _flight_record(run_dir, step, rank)
     name = flight["module"]
-    try:
-        module = model.get_submodule("" if name == "__root__" else name)
-    except AttributeError as exc:
-        raise InputError(
-            f"the model has no module '{name}' (the run's {flight['class']}); give the model "
-            "the run trained"
-        ) from exc
-    cls = type(module)
-    if f"{cls.__module__}.{cls.__qualname__}" != flight["class"]:
-        raise InputError(
-            f"'{name}' is a {cls.__qualname__} here but was a {flight['class']} in the run; "
-            "give the model the run trained"
-        )
-    state = {n: dump[f"{PREFIX}param/{n}"] for n in flight["params"]}
-    state |= {n: dump[f"{PREFIX}buffer/{n}"] for n in flight["buffers"]}
-    try:
-        module.load_state_dict(state, strict=False)
-    except RuntimeError as exc:
-        raise InputError(f"the run's parameters do not fit '{name}': {first_line(exc)}") from exc
-
-    def value(spec: dict[str, Any], what: str) -> Any:
-        if "tensor" in spec:
-            return dump[spec["tensor"]]
-        if "value" in spec:
-            return spec["value"]
-        raise InputError(
-            f"'{name}' was called with a {spec['unsupported']} as {what}, which the flight "
-            "record cannot keep; this trip cannot be replayed"
-        )
-
-    args = [value(s, f"argument {i}") for i, s in enumerate(flight["args"])]
-    kwargs = {k: value(s, f"'{k}'") for k, s in flight["kwargs"].items()}
-    was_training = module.training
-    saved_cpu = torch.get_rng_state()
-    try:
-        module.train(flight["training"])
-        set_rng_states({device: dump[f"{PREFIX}rng/{device}"] for device in flight["rng"]})
-        with torch.no_grad():
-            output = module(*args, **kwargs)
-    except Exception as exc:  # the user's module can fail in any way
-        raise RunError(f"re-running '{name}' failed: {first_line(exc)}") from exc
-    finally:
-        module.train(was_training)
-        torch.set_rng_state(saved_cpu)
+    module, state = _module_as_recorded(model, dump, flight)
+    output = _rerun(module, dump, flight)
     replayed = _part(output, flight["output"], name)
     recorded = dump[flight["output"]]
     bad_recorded = ~torch.isfinite(recorded)
@@ -159,7 +105,7 @@ def replay(
         step=step,
         rank=rank,
         module=name,
-        module_class=cls.__qualname__,
+        module_class=type(module).__qualname__,
         output=flight["output"],
         reproduced=same,
         recorded=_counts(recorded),
@@ -169,6 +115,85 @@ def replay(
         params=params,
         note=note,
     )
+
+
+def _flight_record(
+    run_dir: str | os.PathLike[str], step: int, rank: int
+) -> tuple[Path, Dump, dict[str, Any]]:
+    """The step file of `step` on `rank`, and its flight record (refused when it has none)."""
+    from modeltap.dump import load_dump
+    from modeltap.record.index import read_run
+
+    path = read_run(run_dir).step_file(step, rank)
+    dump = load_dump(path)
+    if "flight" not in dump.metadata:
+        trip = dump.metadata.get("tripwire")
+        why = (
+            "its trip was in the backward; replay re-runs forward trips"
+            if trip and json.loads(trip).get("phase") == "backward"
+            else "record with flight=True (or on_nonfinite='dump') to keep one on a trip"
+        )
+        raise InputError(f"step {step} of '{run_dir}' has no flight record: {why}")
+    return path, dump, json.loads(dump.metadata["flight"])
+
+
+def _module_as_recorded(
+    model: nn.Module, dump: Dump, flight: dict[str, Any]
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The recorded module of `model`, with the run's parameters and buffers put into it."""
+    name = flight["module"]
+    try:
+        module = model.get_submodule("" if name == "__root__" else name)
+    except AttributeError as exc:
+        raise InputError(
+            f"the model has no module '{name}' (the run's {flight['class']}); give the model "
+            "the run trained"
+        ) from exc
+    cls = type(module)
+    if f"{cls.__module__}.{cls.__qualname__}" != flight["class"]:
+        raise InputError(
+            f"'{name}' is a {cls.__qualname__} here but was a {flight['class']} in the run; "
+            "give the model the run trained"
+        )
+    state = {n: dump[f"{PREFIX}param/{n}"] for n in flight["params"]}
+    state |= {n: dump[f"{PREFIX}buffer/{n}"] for n in flight["buffers"]}
+    try:
+        module.load_state_dict(state, strict=False)
+    except RuntimeError as exc:
+        raise InputError(f"the run's parameters do not fit '{name}': {first_line(exc)}") from exc
+    return module, state
+
+
+def _rerun(module: nn.Module, dump: Dump, flight: dict[str, Any]) -> Any:
+    """`module` called with the recorded inputs, mode and RNG states (both put back after)."""
+    import torch
+
+    name = flight["module"]
+
+    def value(spec: dict[str, Any], what: str) -> Any:
+        if "tensor" in spec:
+            return dump[spec["tensor"]]
+        if "value" in spec:
+            return spec["value"]
+        raise InputError(
+            f"'{name}' was called with a {spec['unsupported']} as {what}, which the flight "
+            "record cannot keep; this trip cannot be replayed"
+        )
+
+    args = [value(s, f"argument {i}") for i, s in enumerate(flight["args"])]
+    kwargs = {k: value(s, f"'{k}'") for k, s in flight["kwargs"].items()}
+    was_training = module.training
+    saved_cpu = torch.get_rng_state()
+    try:
+        module.train(flight["training"])
+        set_rng_states({device: dump[f"{PREFIX}rng/{device}"] for device in flight["rng"]})
+        with torch.no_grad():
+            return module(*args, **kwargs)
+    except Exception as exc:  # the user's module can fail in any way
+        raise RunError(f"re-running '{name}' failed: {first_line(exc)}") from exc
+    finally:
+        module.train(was_training)
+        torch.set_rng_state(saved_cpu)
 
 
 def _counts(t: torch.Tensor) -> dict[str, int]:
