@@ -680,6 +680,9 @@ def test_the_diff_verb_is_the_package_whichever_import_comes_first(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     expected = ["True", "True", "diff_dumps", "['a',", "'b',", "'preset']", "False"]
     assert out.stdout.split() == expected
+    code = "import modeltap; print(callable(modeltap.diff), 'diff' in modeltap.__all__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"]  # the facade names it before any import of it
 
 
 def test_the_diff_verb_refuses_dump_options_for_run_folders(tmp_path):

@@ -75,6 +75,7 @@ __all__ = [
     "TensorStats",
     "__version__",
     "capture",
+    "diff",
     "dump_model",
     "export",
     "file_inputs",
@@ -104,6 +105,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "diff":  # the package, callable as the verb: see modeltap/diff/__init__.py
+        return importlib.import_module("modeltap.diff")
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'modeltap' has no attribute {name!r}")
