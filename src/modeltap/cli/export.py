@@ -4,77 +4,37 @@ TorchScript trace (`.pt`) that keeps the record of every module's output structu
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING
 
-import typer
-
-from modeltap.cli.app import app, given, handle_errors, refuse, settings, stderr
+from modeltap.cli.app import app, handle_errors, refuse, stderr
 from modeltap.cli.inputs import command_name, offered_flags
-from modeltap.cli.options import (
-    OUTPUT,
-    AllowMissingWeightsOpt,
-    ConfigOpt,
-    ExportModelArg,
-    InputFileOpt,
-    ModelClassOpt,
-    RevisionOpt,
-    TextArg,
-    TokenizerOpt,
-    TrustOpt,
-)
+from modeltap.cli.options import Given, command
 from modeltap.cli.printing import note
 from modeltap.errors import InputError
+
+if TYPE_CHECKING:
+    from modeltap.config import Settings
 
 
 @app.command("export")
 @handle_errors
-def export(
-    model: ExportModelArg = None,
-    text: TextArg = None,
-    input_file: InputFileOpt = None,
-    out: Annotated[
-        Path | None,
-        typer.Option(
-            "--out",
-            "-o",
-            help="Archive: .pt2 (torch.export) or .pt (a TorchScript trace) "
-            "[default: <model name>.pt2].",
-            metavar="FILE",
-            rich_help_panel=OUTPUT,
-        ),
-    ] = None,
-    dynamic: Annotated[
-        bool | None,
-        typer.Option(
-            "--dynamic/--static",
-            help=".pt2: dynamic batch and sequence dims (a batch of one is exported as two, "
-            "so that it stays dynamic) [default: dynamic].",
-            rich_help_panel=OUTPUT,
-        ),
-    ] = None,
-    revision: RevisionOpt = None,
-    model_class: ModelClassOpt = None,
-    tokenizer: TokenizerOpt = None,
-    trust_remote_code: TrustOpt = None,
-    allow_missing_weights: AllowMissingWeightsOpt = None,
-    config: ConfigOpt = None,
-) -> None:
+@command(
+    "export",
+    "model",
+    "text",
+    "input_file",
+    "out",
+    "dynamic",
+    "revision",
+    "model_class",
+    "tokenizer",
+    "trust_remote_code",
+    "allow_missing_weights",
+    "config",
+)
+def export(s: Settings, given: Given) -> None:
     """Export a model (torch.export .pt2, or a TorchScript trace .pt) that `modeltap dump` reads
     with the eager keys."""
-    s = settings(
-        "export",
-        config,
-        model=model,
-        texts=text or [],
-        input_file=str(input_file) if input_file else None,
-        out=str(out) if out else None,
-        dynamic=dynamic,
-        revision=revision,
-        model_class=model_class,
-        tokenizer=tokenizer,
-        trust_remote_code=trust_remote_code,
-        allow_missing_weights=allow_missing_weights,
-    )
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
     from modeltap.exporting import export as export_model
@@ -93,7 +53,7 @@ def export(
     factory = is_factory(s.model)
     if factory:
         refuse(
-            given(revision=revision, model_class=model_class),
+            given.flags("revision", "model_class"),
             f"can't apply to '{s.model}', a factory (they load Hugging Face models)",
         )
     if not s.texts and not s.input_file and not factory:
@@ -102,7 +62,7 @@ def export(
     traced = is_trace(path)
     if traced:
         refuse(
-            [] if dynamic is None else ["--dynamic" if dynamic else "--static"],
+            [] if given["dynamic"] is None else ["--dynamic" if s.dynamic else "--static"],
             "can't apply to a TorchScript trace (its shapes are what the tracer saw)",
             "drop {flags}, or write a .pt2",
         )

@@ -2,70 +2,46 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING
 
-import typer
-
-from modeltap.cli.app import app, given, handle_errors, refuse, settings, stdout
+from modeltap.cli.app import app, handle_errors, refuse, stdout
 from modeltap.cli.checks import refuse_pickle_flag
-from modeltap.cli.options import (
-    AllowPickleOpt,
-    ConfigOpt,
-    DepthOpt,
-    DeviceMapOpt,
-    DTypeOpt,
-    ExcludeOpt,
-    IncludeOpt,
-    MaxMemoryOpt,
-    ModelArg,
-    ModelClassOpt,
-    RevisionOpt,
-    TrustOpt,
-)
+from modeltap.cli.options import SELECT, Given, command
+from modeltap.config.settings import CliOption
 from modeltap.errors import InputError
+
+if TYPE_CHECKING:
+    from modeltap.config import Settings
+
+NO_CACHE = CliOption(
+    ("--no-cache",),
+    help="Build the tree with torch and transformers instead of reading it from the cache of "
+    "earlier runs ($MODELTAP_CACHE, else $XDG_CACHE_HOME/modeltap or ~/.cache/modeltap), and "
+    "leave the cache as it is.",
+    type=bool,
+    default=False,
+)
 
 
 @app.command("ls")
 @handle_errors
-def list_modules(
-    model: ModelArg = None,
-    depth: DepthOpt = None,
-    include: IncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    revision: RevisionOpt = None,
-    model_class: ModelClassOpt = None,
-    trust_remote_code: TrustOpt = None,
-    device_map: DeviceMapOpt = None,
-    max_memory: MaxMemoryOpt = None,
-    dtype: DTypeOpt = None,
-    allow_pickle: AllowPickleOpt = None,
-    config: ConfigOpt = None,
-    no_cache: Annotated[
-        bool,
-        typer.Option(
-            "--no-cache",
-            help="Build the tree with torch and transformers instead of reading it from the "
-            "cache of earlier runs ($MODELTAP_CACHE, else $XDG_CACHE_HOME/modeltap or "
-            "~/.cache/modeltap), and leave the cache as it is.",
-        ),
-    ] = False,
-) -> None:
+@command(
+    "ls",
+    "model",
+    *SELECT,
+    "revision",
+    "model_class",
+    "trust_remote_code",
+    "device_map",
+    "max_memory",
+    "dtype",
+    "allow_pickle",
+    "config",
+    ("no_cache", NO_CACHE),
+)
+def list_modules(s: Settings, given: Given, *, allow_pickle: bool | None, no_cache: bool) -> None:
     """List a model's modules as a tree, and where --device-map would put them; loads no
     weights of a Hugging Face model."""
-    s = settings(
-        "ls",
-        config,
-        model=model,
-        depth=depth,
-        include=include or [],
-        exclude=exclude or [],
-        revision=revision,
-        model_class=model_class,
-        trust_remote_code=trust_remote_code,
-        device_map=device_map.value if device_map else None,
-        max_memory=max_memory,
-        dtype=dtype.value if dtype else None,
-    )
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
     from modeltap.loading.placement import placement
@@ -76,7 +52,7 @@ def list_modules(
     planned = placement(s.device_map, s.max_memory)
     if planned is None:
         refuse(
-            given(dtype=dtype),
+            given.flags("dtype"),
             "can't apply without --device-map (it sizes the weights to place)",
             "add --device-map auto or drop {flags}",
         )
@@ -102,7 +78,7 @@ def list_modules(
         if planned is not None:
             raise InputError("--device-map is for Hugging Face models; an archive loads on the CPU")
         refuse(
-            given(revision=revision, model_class=model_class, trust_remote_code=trust_remote_code),
+            given.flags("revision", "model_class", "trust_remote_code"),
             f"can't apply to '{s.model}', an archive or a factory (they load Hugging Face models)",
         )
         meta_model = transformed_tree(s.model, bool(allow_pickle))

@@ -223,11 +223,13 @@ def command(name: str, *params: Param, settings: bool = True) -> Callable[..., A
             given = Given({k: v for k, v in values.items() if k in fields})
             flags = {fields[k]: _setting(v) for k, v in given.items()}
             cli = {k: v for k, v in values.items() if k not in fields and k != "config"}
-            if "text" in values:  # TEXT|FILE, --image, --audio, --text and the folders
+            if "images" in values:  # TEXT|FILE, --image, --audio, --text and the folders
                 from modeltap.cli.inputs import sorted_inputs
 
                 media = [cli.pop(k) if k in cli else given.get(k) for k in MEDIA]
                 flags.update(sorted_inputs(*media))
+            elif "text" in values:  # sentences only
+                flags["texts"] = cli.pop("text")
             s = load_settings(name, config_file=values.get("config"), flags=flags)
             return body(s, given, **cli)
 

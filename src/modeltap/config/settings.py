@@ -172,6 +172,10 @@ class Settings:
         path=True,
         variants={
             "grads": {"help": "Output file [default: <model name>.grads.safetensors]."},
+            "export": {
+                "help": "Archive: .pt2 (torch.export) or .pt (a TorchScript trace) "
+                "[default: <model name>.pt2]."
+            },
         },
     )
     stats_only: bool = option(
@@ -415,7 +419,13 @@ class Settings:
         help="torch.compile must make one graph.",
         panel=RUNNING,
     )
-    dynamic: bool = True
+    dynamic: bool = option(
+        True,
+        "--dynamic/--static",
+        help=".pt2: dynamic batch and sequence dims (a batch of one is exported as two, "
+        "so that it stays dynamic) [default: dynamic].",
+        panel=OUTPUT,
+    )
 
     # performance (#12): MiB the dump writer's thread may hold copied but not yet written
     max_inflight_mb: int = option(
