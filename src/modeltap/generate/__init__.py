@@ -1,7 +1,8 @@
 """Decoding steps as a sequence of captures: `model.generate()` with every step's forward hooked.
 
 Modules: `keys` (the step prefix), `options` (Decoding, StepPlan, prompt and checks), `decode`
-(`generate_model`), `reader` (`step_view` and the metadata).
+(`generate_model`), `loop` (what the hooks learn of generate's decoding loop: steps, choices),
+`reader` (`step_view` and the metadata).
 
 Step 0 is the prompt's forward (the prefill; for an encoder-decoder the encoder's forward too), step
 k the forward that takes the k-th new token, using the KV cache; step k chooses new token k + 1.
