@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 @command(
     "export",
     "model",
-    "text",
+    "sentences",
     "input_file",
     "out",
     "dynamic",

@@ -57,7 +57,20 @@ CLI_ONLY: dict[str, CliOption] = {
         help="Text, or image / audio files (told apart by content), run as one batch.",
         metavar="TEXT|FILE",
         type=list[str] | None,
-        variants={"export": {"help": "Sentences, run as one padded batch.", "metavar": "TEXT"}},
+        variants={
+            "generate": {
+                "help": "Prompts, generated from as one left-padded batch; image or audio files "
+                "(by content) go with them through the model's processor (a vision-language or "
+                "speech model).",
+                "metavar": "PROMPT|FILE",
+            }
+        },
+    ),
+    "sentences": CliOption(
+        argument=True,
+        help="Sentences, run as one padded batch.",
+        metavar="TEXT",
+        type=list[str] | None,
     ),
     "text_opt": CliOption(
         ("--text",),
@@ -223,13 +236,13 @@ def command(name: str, *params: Param, settings: bool = True) -> Callable[..., A
             given = Given({k: v for k, v in values.items() if k in fields})
             flags = {fields[k]: _setting(v) for k, v in given.items()}
             cli = {k: v for k, v in values.items() if k not in fields and k != "config"}
-            if "images" in values:  # TEXT|FILE, --image, --audio, --text and the folders
+            if "text" in values:  # TEXT|FILE, --image, --audio, --text and the folders
                 from modeltap.cli.inputs import sorted_inputs
 
                 media = [cli.pop(k) if k in cli else given.get(k) for k in MEDIA]
                 flags.update(sorted_inputs(*media))
-            elif "text" in values:  # sentences only
-                flags["texts"] = cli.pop("text")
+            elif "sentences" in values:
+                flags["texts"] = cli.pop("sentences")
             s = load_settings(name, config_file=values.get("config"), flags=flags)
             return body(s, given, **cli)
 
@@ -280,7 +293,7 @@ IncludeOpt = param("include")
 ExcludeOpt = param("exclude")
 OutOpt = param("out")
 JsonOpt = param("json_out")
-TextArg = param("text", "export")
+TextArg = param("sentences")
 InputsArg = param("text")
 TextOpt = param("text_opt")
 ImagesDirOpt = param("images_dir")

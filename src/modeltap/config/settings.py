@@ -84,6 +84,10 @@ class Settings:
             "export": {
                 "help": "Hugging Face model id or folder with config.json, or pkg.module:factory."
             },
+            "generate": {
+                "help": "Hugging Face model id or folder with config.json, of a model that "
+                "generates."
+            },
             "replay": {
                 "help": "The model the run trained: Hugging Face id or folder with config.json, "
                 "or pkg.module:factory (its weights are not used: the step file's are).",
@@ -172,6 +176,7 @@ class Settings:
         path=True,
         variants={
             "grads": {"help": "Output file [default: <model name>.grads.safetensors]."},
+            "generate": {"help": "Dump file [default: <model name>.gen.safetensors]."},
             "export": {
                 "help": "Archive: .pt2 (torch.export) or .pt (a TorchScript trace) "
                 "[default: <model name>.pt2]."
@@ -201,6 +206,11 @@ class Settings:
         panel=LOADING,
         metavar="CLASS",
         variants={
+            "generate": {
+                "help": "transformers class to load with [default: AutoModelForCausalLM; "
+                "AutoModelForSeq2SeqLM for an encoder-decoder, AutoModelForSpeechSeq2Seq with "
+                "audio, AutoModelForImageTextToText with images]."
+            },
             "replay": {
                 "help": "transformers class to build MODEL with [default: the run's, else "
                 "AutoModel].",
@@ -470,9 +480,24 @@ class Settings:
         metavar="P",
         panel=RUNNING,
     )
-    full: bool = False
-    steps: str | None = None
-    kv: bool = False
+    full: bool = option(
+        False,
+        "--full/--ends",
+        help="Tensors of every step [default: of the prefill and the last step; statistics "
+        "for the others].",
+        panel=OUTPUT,
+    )
+    steps: str | None = option(
+        help="Tensors of these steps only, e.g. 0,5-9 (step 0 is the prompt's forward).",
+        metavar="LIST",
+        panel=OUTPUT,
+    )
+    kv: bool = option(
+        False,
+        "--kv/--no-kv",
+        help="Also store each step's new self-attention keys and values (cache:LAYER.key).",
+        panel=OUTPUT,
+    )
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
