@@ -26,7 +26,7 @@ from modeltap.cli.options import (
     UpcastOpt,
 )
 from modeltap.config import Settings
-from modeltap.diff_report import diff_report, diff_settings
+from modeltap.diff.from_settings import diff_report, diff_settings
 from modeltap.errors import InputError
 
 

@@ -109,7 +109,7 @@ def report_command(
 
 
 def _diff_page(a: Path, b: Path, command: str, *, config: Path | None, **flags: Any) -> Any:
-    from modeltap.diff_report import diff_report, diff_settings
+    from modeltap.diff.from_settings import diff_report, diff_settings
     from modeltap.render.report import diff_page
 
     s, values = diff_settings(config, **flags)

@@ -6,9 +6,10 @@ One module per concern: `tolerance` (the allclose rule every diff applies: `Tole
 `keymap` (which key of B a key of A meets: `--map` rules, structural matches), then one per kind of
 input: `dumps` (`diff_dumps` -> `DiffReport`, `junit_xml`), `generations` (`diff_generations`,
 step by step) and `runs` (`diff_runs`, run folders of `modeltap.record`, step by step and rank by
-rank); `verb` chooses among them (`diff`). Importing this package imports no torch, and each
-module only when one of its names is first used. (No name here is also a module's: importing the
-module would bind it over the name.)
+rank); `verb` chooses among them (`diff`), and `from_settings` reads `modeltap diff`'s and
+`report A B`'s settings. Importing this package imports no torch, and each module only when one
+of its names is first used. (No name here is also a module's: importing the module would bind it
+over the name.)
 
 This package is also the verb: calling it calls `diff` (`_CallablePackage`). A function on the
 facade named like the package would hide the package's names from `modeltap.diff.diff_dumps`

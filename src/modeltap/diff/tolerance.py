@@ -8,7 +8,8 @@ compare statistics, one number against another, with `close` and `of_limit` belo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 from modeltap.errors import InputError
@@ -59,6 +60,15 @@ def from_preset(preset: str | None = None, **given: float | None) -> tuple[Toler
     if min(tolerance.atol, tolerance.rtol, tolerance.scaled_atol) < 0:
         raise InputError("atol, rtol and scaled_atol must be 0 or more")
     return tolerance, upcast
+
+
+def per_key(
+    tolerance: Tolerance, overrides: Mapping[str, Mapping[str, float]]
+) -> list[tuple[str, Tolerance]]:
+    """(glob of A's keys, its tolerance) for each entry of `overrides` (a config's
+    `[diff.overrides."pooler*"]`, the verb's `overrides=`): `tolerance` with the entry's values
+    over it."""
+    return [(glob, replace(tolerance, **values)) for glob, values in overrides.items()]
 
 
 def margin(pair: Pair, tolerance: Tolerance) -> float:

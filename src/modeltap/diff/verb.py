@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,17 +46,17 @@ def diff(
     different dtypes) is on when the preset says so, unless given. `map`, `include`, `exclude`
     and `strict` are those of `modeltap diff`, for two dumps.
     """
-    from modeltap.diff.tolerance import from_preset
+    from modeltap.diff.tolerance import from_preset, per_key
 
     tolerance, preset_upcast = from_preset(
         preset, atol=atol, rtol=rtol, scaled_atol=scaled_atol, min_cosine=min_cosine
     )
-    per_key = [(glob, replace(tolerance, **values)) for glob, values in (overrides or {}).items()]
+    by_key = per_key(tolerance, overrides or {})
     for_dumps = {"map": map, "include": include, "exclude": exclude, "strict": strict}
     if Path(a).is_dir() or Path(b).is_dir():
         from modeltap.diff.runs import diff_runs
 
-        given = {**for_dumps, "overrides": per_key, "equal_nan": equal_nan, "upcast": upcast}
+        given = {**for_dumps, "overrides": by_key, "equal_nan": equal_nan, "upcast": upcast}
         _refuse(given, "can't apply to run folders (their steps are compared by statistics first)")
         if not (Path(a).is_dir() and Path(b).is_dir()):
             raise InputError("give two run folders (or two dump files), not one of each")
@@ -68,12 +67,12 @@ def diff(
     if is_generation(a) or is_generation(b):
         _refuse(for_dumps, "is for one-forward dumps; diff generation dumps without it")
         return diff_generations(
-            a, b, tolerance=tolerance, overrides=per_key, equal_nan=equal_nan, upcast=upcast
+            a, b, tolerance=tolerance, overrides=by_key, equal_nan=equal_nan, upcast=upcast
         )
     from modeltap.diff.dumps import diff_dumps
 
     return diff_dumps(
-        a, b, tolerance=tolerance, overrides=per_key, rename=map, include=include,
+        a, b, tolerance=tolerance, overrides=by_key, rename=map, include=include,
         exclude=exclude, equal_nan=equal_nan, upcast=upcast, strict=strict,
     )  # fmt: skip
 

@@ -1,5 +1,6 @@
-"""`diff` and `report A B` read two dumps the same way: their settings (flags < config files) and
-tolerance values (preset < settings < flags), then `diff_dumps` with them."""
+"""A diff as the CLI asks for it: `diff` and `report A B` read two dumps the same way, their
+settings (flags < config files) and tolerance values (preset < settings < flags), then
+`diff_dumps` with them. (`modeltap.diff(a, b, ...)`, in `verb`, takes the same as keywords.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from modeltap.config import Settings
-    from modeltap.diff import DiffReport
+    from modeltap.diff.dumps import DiffReport
 
 
 def diff_settings(
@@ -28,13 +29,15 @@ def diff_settings(
 
 def diff_report(a: Path, b: Path, s: Settings, values: dict[str, float]) -> DiffReport:
     """`diff_dumps` of A and B with diff's settings and tolerance values (see diff_settings)."""
-    from modeltap.diff import Tolerance, diff_dumps
+    from modeltap.diff.dumps import diff_dumps
+    from modeltap.diff.tolerance import Tolerance, per_key
 
+    tolerance = Tolerance(**values)
     return diff_dumps(
         a,
         b,
-        tolerance=Tolerance(**values),
-        overrides=[(glob, Tolerance(**{**values, **tol})) for glob, tol in s.overrides.items()],
+        tolerance=tolerance,
+        overrides=per_key(tolerance, s.overrides),
         rename=s.map,
         include=s.include,
         exclude=s.exclude,
