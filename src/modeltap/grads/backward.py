@@ -135,22 +135,12 @@ def run_grads(
     wrt_modules, wrt_keys = _wrt_sets(
         [w for w in spec.wrt if w not in wrt_inputs], modules, by_name, only_inputs=bool(wrt_inputs)
     )
-    hooked = set(wrt_modules) | set(activations)
-    if spec.target is not None:
-        target_module = split_key(spec.target)[0]
-        if target_module not in by_name:
-            raise SelectionError("--target: " + unknown_name_message(target_module, by_name))
-        hooked.add(target_module)
-    args, kwargs = inputs.args, dict(inputs.kwargs)
-    loss_info: dict[str, Any] = {}
-    labels = None
+    hooked = set(wrt_modules) | set(activations) | _target_module(spec, by_name)
+    args = inputs.args
     generator = torch.Generator().manual_seed(seed)
-    if spec.target is None and spec.loss == "lm":
-        check_causal(model)
-    if spec.target is None and spec.loss == "mlm":
-        kwargs, labels, loss_info = mask_for_mlm(
-            model, kwargs, mask_token_id, special_ids, generator
-        )
+    kwargs, labels, loss_info = _loss_inputs(
+        model, spec, dict(inputs.kwargs), mask_token_id, special_ids, generator
+    )
 
     def wanted(key: str) -> bool:
         module = split_key(key)[0]
@@ -174,14 +164,7 @@ def run_grads(
         results = _backward(model, y, v, spec, sink, [p for _, p in params] + leaves, train_mode)
         param_keys = _collect(writer, sink, target_key, spec, modules, by_name, params, results)
         del results
-        jacobian = {}
-        if spec.jacobian_norm:
-            reached = set(sink.written) - {target_key}
-            xs = [k for k in sink.candidates if k in sink.hooked and k in reached]
-            estimates = jacobian_norms(
-                y, [sink.hooked[k] for k in xs], spec.jacobian_norm, spec.probes, generator
-            )
-            jacobian = {k: e.to_json() for k, e in zip(xs, estimates, strict=True)}
+        jacobian = _jacobian(y, spec, sink, target_key, generator) if spec.jacobian_norm else {}
     finally:
         for p in frozen:
             p.requires_grad_(False)
@@ -204,6 +187,45 @@ def run_grads(
         **({"jacobian": jacobian} if jacobian else {}),
     }
     return GradRun(meta, order, recorder.skipped, recorder.skipped_none)
+
+
+def _jacobian(
+    y: torch.Tensor, spec: GradSpec, sink: _GradSink, target_key: str, generator: torch.Generator
+) -> dict[str, Any]:
+    """Norm estimates of the Jacobian of the target w.r.t. each output the backward reached."""
+    reached = set(sink.written) - {target_key}
+    xs = [k for k in sink.candidates if k in sink.hooked and k in reached]
+    estimates = jacobian_norms(
+        y, [sink.hooked[k] for k in xs], spec.jacobian_norm, spec.probes, generator
+    )
+    return {k: e.to_json() for k, e in zip(xs, estimates, strict=True)}
+
+
+def _loss_inputs(
+    model: nn.Module,
+    spec: GradSpec,
+    kwargs: dict[str, Any],
+    mask_token_id: int | None,
+    special_ids: Sequence[int],
+    generator: torch.Generator,
+) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """The keyword inputs, labels and loss details for `--loss` without a target: lm checks the
+    model is causal, mlm masks tokens (BERT's way) and labels them."""
+    if spec.target is None and spec.loss == "lm":
+        check_causal(model)
+    if spec.target is None and spec.loss == "mlm":
+        return mask_for_mlm(model, kwargs, mask_token_id, special_ids, generator)
+    return kwargs, None, {}
+
+
+def _target_module(spec: GradSpec, by_name: dict[str, nn.Module]) -> set[str]:
+    """The module whose output `--target` names (checked), hooked as the others are."""
+    if spec.target is None:
+        return set()
+    target_module = split_key(spec.target)[0]
+    if target_module not in by_name:
+        raise SelectionError("--target: " + unknown_name_message(target_module, by_name))
+    return {target_module}
 
 
 def _forward(
