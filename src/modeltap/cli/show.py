@@ -4,40 +4,34 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
-
-import typer
+from typing import Any
 
 from modeltap.cli.app import app, handle_errors, stderr, stdout
-from modeltap.cli.options import (
-    JsonOpt,
-)
+from modeltap.cli.options import command
 from modeltap.cli.printing import print_generation, print_opened
+from modeltap.config.settings import CliOption
 from modeltap.errors import InputError
+
+PATH = CliOption(
+    argument=True,
+    help="A dump written by modeltap (or any safetensors), or a run folder of modeltap.record.",
+    metavar="PATH",
+    type=Path,
+    required=True,
+)
+STEP = CliOption(
+    help="Run folder: show this recorded step's tree; generation dump: this decoding step's "
+    "tree (0: the prompt's forward).",
+    metavar="N",
+    type=int | None,
+)
+RANK = CliOption(help="Run folder: the rank to show.", metavar="R", type=int, default=0)
 
 
 @app.command()
 @handle_errors
-def show(
-    file: Annotated[
-        Path,
-        typer.Argument(
-            help="A dump written by modeltap (or any safetensors), or a run folder of "
-            "modeltap.record.",
-            metavar="PATH",
-        ),
-    ],
-    step: Annotated[
-        int | None,
-        typer.Option(
-            help="Run folder: show this recorded step's tree; generation dump: this decoding "
-            "step's tree (0: the prompt's forward).",
-            metavar="N",
-        ),
-    ] = None,
-    rank: Annotated[int, typer.Option(help="Run folder: the rank to show.", metavar="R")] = 0,
-    json_out: JsonOpt = False,
-) -> None:
+@command("show", ("file", PATH), ("step", STEP), ("rank", RANK), "json_out", settings=False)
+def show(*, file: Path, step: int | None, rank: int, json_out: bool) -> None:
     """Print a dump's tree of statistics, or a recorded run's trends over its steps."""
     from modeltap.dump import load_dump
 
