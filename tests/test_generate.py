@@ -480,6 +480,11 @@ def test_diff_of_two_generations(gpt2_dir: Path, tok, tmp_path: Path) -> None:  
     ]
     split = next(i for i, (x, y) in enumerate(zip(*new, strict=True)) if x != y)
     assert data["token_split"]["step"] == split
+    import modeltap  # the library verb takes generation dumps too
+
+    verb = modeltap.diff("f.st", "a.st")
+    assert not verb.passed and verb.split is not None and verb.split.step == split
+    assert modeltap.diff("a.st", "b.st").passed
     plain = runner.invoke(app, ["dump", str(gpt2_dir), PROMPT, "-o", "one.st"])
     assert plain.exit_code == 0
     mixed = runner.invoke(app, ["diff", "a.st", "one.st"])

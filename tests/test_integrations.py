@@ -575,6 +575,10 @@ def test_run_diff_names_the_step_and_layer_where_two_runs_part(
     assert all(not s.failed for s in report.steps if s.step < 20)
     assert first.tensors is (full_every is not None)
     assert diff_runs(tmp_path / "c", tmp_path / "a").passed  # the same run twice
+    import modeltap  # the library verb takes run folders too
+
+    verb = modeltap.diff(tmp_path / "b", tmp_path / "a").first
+    assert (verb.step, verb.rank, verb.first) == (20, 0, "2")
 
     result = CliRunner().invoke(app, ["diff", str(tmp_path / "b"), str(tmp_path / "a")])
     assert result.exit_code == 1
