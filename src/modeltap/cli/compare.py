@@ -4,229 +4,86 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 
-from modeltap.cli.app import (
-    app,
-    given,
-    handle_errors,
-    refuse,
-    settings,
-    stderr,
-    stdout,
-    write_atomically,
-)
+from modeltap.cli.app import app, handle_errors, refuse, stderr, stdout, write_atomically
 from modeltap.cli.inputs import command_name, offered_flags, sorted_inputs
-from modeltap.cli.options import (
-    KEYS,
-    OUTPUT,
-    RUNNING,
-    TOL,
-    AllowMissingWeightsOpt,
-    ConfigOpt,
-    DepthOpt,
-    DeviceOpt,
-    DoSampleOpt,
-    DTypeOpt,
-    EqualNanOpt,
-    ExcludeOpt,
-    HfTokenizerOpt,
-    HtmlOpt,
-    IncludeOpt,
-    InputFileOpt,
-    JsonOpt,
-    JunitOpt,
-    ModelClassOpt,
-    NumBeamsOpt,
-    RevisionOpt,
-    TrainModeOpt,
-    TrustOpt,
-)
+from modeltap.cli.options import SELECT, Given, command
 from modeltap.cli.printing import note, write_html
 from modeltap.config import Settings
+from modeltap.config.settings import OUTPUT, CliOption
 from modeltap.errors import InputError
 
 REPORT_FILE = "report.json"
 
-# compare's own wording of shared options: its models are replayed module by module in Python,
-# its tolerance defaults to a preset chosen by the variant, and --map renames the candidate's.
-ModelArg = Annotated[
-    str | None,
-    typer.Argument(
-        help="Hugging Face model id or folder with config.json (its modules are replayed in "
-        "Python: not a .pt2 or .pt archive, nor a factory).",
-        metavar="MODEL",
-        show_default=False,
-    ),
-]
-PresetOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="Tolerance preset (modeltap's own, or a configs/tolerances.toml of yours) "
-        "[default: bf16 or fp16 for those "
-        "variants, cross-device for cuda, compile for compile, else fp32].",
-        metavar="NAME",
-        rich_help_panel=TOL,
-    ),
-]
-AtolOpt = Annotated[
-    float | None,
-    typer.Option(
-        help="Absolute tolerance; wins over the preset's [default: the preset's].",
-        metavar="X",
-        rich_help_panel=TOL,
-    ),
-]
-RtolOpt = Annotated[
-    float | None,
-    typer.Option(
-        help="Relative tolerance; wins over the preset's [default: the preset's].",
-        metavar="X",
-        rich_help_panel=TOL,
-    ),
-]
-MapOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--map",
-        help="Rename the candidate's module names to MODEL's: OLD=NEW globs ('bert.*=*'), or a "
-        "TOML/JSON file of [keys] and [modules] renames; repeatable.",
-        metavar="OLD=NEW|FILE",
-        rich_help_panel=KEYS,
-    ),
-]
-StatsOnlyOpt = Annotated[
-    bool | None,
-    typer.Option(
-        "--stats-only/--with-tensors",
-        help="With --out-dir: the dumps kept there hold statistics only.",
-        rich_help_panel=OUTPUT,
-    ),
-]
+REST = CliOption(
+    argument=True,
+    help="[CANDIDATE] TEXT...: a second checkpoint to compare with (without --against, or a "
+    "folder holding config.json), then the sentences or image / audio files.",
+    show_default=False,
+    metavar="TEXT",
+    type=list[str] | None,
+)
+SHOW_ALL = CliOption(("--all",), help="List every module.", panel=OUTPUT, type=bool, default=False)
 
 
 @app.command("compare")
 @handle_errors
+@command(
+    "compare",
+    "model",
+    ("rest", REST),
+    "against",
+    "input_file",
+    *SELECT,
+    "preset",
+    "atol",
+    "rtol",
+    "map",
+    "equal_nan",
+    "out_dir",
+    "stats_only",
+    "json_out",
+    "junit",
+    "html",
+    ("show_all", SHOW_ALL),
+    "revision",
+    "model_class",
+    "tokenizer",
+    "trust_remote_code",
+    "allow_missing_weights",
+    "dtype",
+    "device",
+    "seed",
+    "train_mode",
+    "use_cache",
+    "max_new_tokens",
+    "do_sample",
+    "num_beams",
+    "config",
+    apart=("atol", "rtol"),  # over the preset, which the variant picks
+)
 def compare_command(
-    model: ModelArg = None,
-    rest: Annotated[
-        list[str] | None,
-        typer.Argument(
-            help="[CANDIDATE] TEXT...: a second checkpoint to compare with (without --against, "
-            "or a folder holding config.json), then the sentences or image / audio files.",
-            show_default=False,
-            metavar="TEXT",
-        ),
-    ] = None,
-    against: Annotated[
-        str | None,
-        typer.Option(
-            "--against",
-            "-a",
-            help="The variant: bf16, fp16, attn:IMPL (eager, sdpa...), cuda, compile, export.",
-            metavar="VARIANT",
-            rich_help_panel="Variant",
-        ),
-    ] = None,
-    input_file: InputFileOpt = None,
-    depth: DepthOpt = None,
-    include: IncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    preset: PresetOpt = None,
-    atol: AtolOpt = None,
-    rtol: RtolOpt = None,
-    map_: MapOpt = None,
-    equal_nan: EqualNanOpt = None,
-    out_dir: Annotated[
-        Path | None,
-        typer.Option(
-            help="Keep both dumps (candidate and reference) and report.json here.",
-            metavar="DIR",
-            rich_help_panel=OUTPUT,
-        ),
-    ] = None,
-    stats_only: StatsOnlyOpt = None,
-    json_out: JsonOpt = False,
-    junit: JunitOpt = None,
-    html: HtmlOpt = None,
-    show_all: Annotated[
-        bool, typer.Option("--all", help="List every module.", rich_help_panel=OUTPUT)
-    ] = False,
-    revision: RevisionOpt = None,
-    model_class: ModelClassOpt = None,
-    tokenizer: HfTokenizerOpt = None,
-    trust_remote_code: TrustOpt = None,
-    allow_missing_weights: AllowMissingWeightsOpt = None,
-    dtype: DTypeOpt = None,
-    device: DeviceOpt = None,
-    seed: Annotated[
-        int | None,
-        typer.Option(
-            help="torch seed of both runs [default: 0].", metavar="N", rich_help_panel=RUNNING
-        ),
-    ] = None,
-    train_mode: TrainModeOpt = None,
-    use_cache: Annotated[
-        bool | None,
-        typer.Option(
-            "--use-cache/--no-use-cache",
-            help="Let the model keep a cache [default: no].",
-            rich_help_panel=RUNNING,
-        ),
-    ] = None,
-    generate: Annotated[
-        int | None,
-        typer.Option(
-            "--generate",
-            help="Compare N decoding steps of generate(), the candidate forced to the "
-            "reference's tokens; loads the model with its LM head unless --model-class says "
-            "otherwise (see `modeltap generate`).",
-            metavar="N",
-            rich_help_panel=RUNNING,
-        ),
-    ] = None,
-    do_sample: DoSampleOpt = None,
-    num_beams: NumBeamsOpt = None,
-    config: ConfigOpt = None,
+    s: Settings,
+    given: Given,
+    *,
+    rest: list[str] | None,
+    json_out: bool,
+    junit: Path | None,
+    html: Path | None,
+    show_all: bool,
 ) -> None:
     """Compare a model with a variant (bf16, attn:eager, a checkpoint...): where they part ways,
     and which module introduced the error; exit 0 within tolerance, 1 when not."""
     from modeltap.compare import DEFAULT_PRESET, parse_against
 
-    s = settings(
-        "compare",
-        config,
-        model=model,
-        against=against,
-        input_file=str(input_file) if input_file else None,
-        depth=depth,
-        include=include or [],
-        exclude=exclude or [],
-        preset=preset,
-        map=map_ or [],
-        equal_nan=equal_nan,
-        out_dir=str(out_dir) if out_dir else None,
-        stats_only=stats_only,
-        revision=revision,
-        model_class=model_class,
-        tokenizer=tokenizer,
-        trust_remote_code=trust_remote_code,
-        allow_missing_weights=allow_missing_weights,
-        dtype=dtype.value if dtype else None,
-        device=device.value if device else None,
-        seed=seed,
-        train_mode=train_mode,
-        use_cache=use_cache,
-        max_new_tokens=generate,
-        do_sample=do_sample,
-        num_beams=num_beams,
-    )
     _split_positionals(s, list(rest or []))
+    generate = given["generate"]
     if generate is None:
         refuse(
-            given(do_sample=do_sample, num_beams=num_beams),
+            given.flags("do_sample", "num_beams"),
             "can't apply without --generate",
             "add --generate N or drop {flags}",
         )
@@ -240,7 +97,7 @@ def compare_command(
     _check_replayable(s.model, "MODEL")
     if s.candidate is not None:
         _check_replayable(s.candidate, "CANDIDATE")
-    if stats_only and not s.out_dir:
+    if given["stats_only"] and not s.out_dir:
         raise InputError("--stats-only applies to the dumps --out-dir keeps; give --out-dir DIR")
     if s.candidate is None and s.against is None:
         raise InputError("nothing to compare with; give a CANDIDATE model or --against bf16, ...")
@@ -255,7 +112,7 @@ def compare_command(
             )
         raise InputError("nothing to run on; give TEXT or --input-file")
     preset_name = s.preset or _default_preset(DEFAULT_PRESET[variant.kind])
-    options = _options(s, preset_name, atol=atol, rtol=rtol)
+    options = _options(s, preset_name, atol=given["atol"], rtol=given["rtol"])
     if junit is not None:
         from modeltap.dump import check_writable
 
@@ -267,8 +124,8 @@ def compare_command(
     work = _out_dir(s.out_dir)
     if generate is not None:
         passed = _compare_generation(
-            s, variant, options, work, seed_given=seed is not None,
-            class_given=model_class is not None, json_out=json_out, show_all=show_all,
+            s, variant, options, work, seed_given=given["seed"] is not None,
+            class_given=given["model_class"] is not None, json_out=json_out, show_all=show_all,
             refused={
                 "--junit": junit, "--html": html, "--stats-only": s.stats_only,
                 "--use-cache": s.use_cache,

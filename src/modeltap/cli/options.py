@@ -162,7 +162,8 @@ def param(name: str, command: str | None = None, **changes: Any) -> Any:
 
 def _annotated(kind: Any, d: CliOption) -> Any:
     if d.argument:
-        return Annotated[kind, typer.Argument(help=d.help, metavar=d.metavar)]
+        info = typer.Argument(help=d.help, metavar=d.metavar, show_default=d.show_default)
+        return Annotated[kind, info]
     info = typer.Option(
         *d.flags,
         help=d.help,
@@ -197,7 +198,9 @@ class Given(dict[str, Any]):
         return given(**{name: self.get(name) for name in names})
 
 
-def command(name: str, *params: Param, settings: bool = True) -> Callable[..., Any]:
+def command(
+    name: str, *params: Param, settings: bool = True, apart: tuple[str, ...] = ()
+) -> Callable[..., Any]:
     """Give the decorated body a typer signature composed from `params`, in `--help` order:
     names of Settings fields or CLI_ONLY options, or `(name, CliOption(...))` for a parameter of
     this command alone (`type` and `default` given).
@@ -205,7 +208,9 @@ def command(name: str, *params: Param, settings: bool = True) -> Callable[..., A
     With `settings`, the body is called as `body(s, given, **cli)`: `s` the Settings of the
     defaults, config files, MODELTAP_* variables and the flags typed (`--config` names a file),
     `given` each settings parameter's command-line value (None when absent: for refusing a flag
-    that cannot apply), `cli` the CLI_ONLY and command-only values. Without, `body(**values)`."""
+    that cannot apply), `cli` the CLI_ONLY and command-only values. The settings options named
+    in `apart` are not merged (the body applies them itself from `given`, as compare and diff
+    put --atol/--rtol over a preset). Without `settings`, `body(**values)`."""
 
     def build(body: Callable[..., Any]) -> Callable[..., Any]:
         declared = []
@@ -234,7 +239,7 @@ def command(name: str, *params: Param, settings: bool = True) -> Callable[..., A
             from modeltap.config import load_settings
 
             given = Given({k: v for k, v in values.items() if k in fields})
-            flags = {fields[k]: _setting(v) for k, v in given.items()}
+            flags = {fields[k]: _setting(v) for k, v in given.items() if k not in apart}
             cli = {k: v for k, v in values.items() if k not in fields and k != "config"}
             if "text" in values:  # TEXT|FILE, --image, --audio, --text and the folders
                 from modeltap.cli.inputs import sorted_inputs

@@ -88,6 +88,12 @@ class Settings:
                 "help": "Hugging Face model id or folder with config.json, of a model that "
                 "generates."
             },
+            # compare's models are replayed module by module in Python
+            "compare": {
+                "help": "Hugging Face model id or folder with config.json (its modules are "
+                "replayed in Python: not a .pt2 or .pt archive, nor a factory).",
+                "show_default": False,
+            },
             "replay": {
                 "help": "The model the run trained: Hugging Face id or folder with config.json, "
                 "or pkg.module:factory (its weights are not used: the step file's are).",
@@ -188,6 +194,9 @@ class Settings:
         "--stats-only/--with-tensors",
         help="Write statistics only, no tensors.",
         panel=OUTPUT,
+        variants={
+            "compare": {"help": "With --out-dir: the dumps kept there hold statistics only."}
+        },
     )
     hist: bool = option(
         False,
@@ -215,7 +224,7 @@ class Settings:
                 "help": "transformers class to build MODEL with [default: the run's, else "
                 "AutoModel].",
                 "panel": None,
-            }
+            },
         },
     )
     tokenizer: str | None = option(
@@ -271,6 +280,7 @@ class Settings:
         metavar="N",
         variants={
             "grads": {"help": "Seed of the run and of random probes [default: 0]."},
+            "compare": {"help": "torch seed of both runs [default: 0]."},
         },
     )
     train_mode: bool = option(
@@ -288,18 +298,36 @@ class Settings:
         help="Absolute tolerance; wins over --preset [default: 1e-8].",
         metavar="X",
         panel=TOL,
+        variants={
+            "compare": {
+                "help": "Absolute tolerance; wins over the preset's [default: the preset's]."
+            }
+        },
     )
     rtol: float = option(
         1e-5,
         help="Relative tolerance; wins over --preset [default: 1e-5].",
         metavar="X",
         panel=TOL,
+        variants={
+            "compare": {
+                "help": "Relative tolerance; wins over the preset's [default: the preset's]."
+            }
+        },
     )
+    # compare's tolerance defaults to a preset chosen by the variant
     preset: str | None = option(
         help="Tolerance preset shipped with modeltap: exact, fp32, tf32, bf16, fp16, compile, "
         "cross-device (a tolerances.toml in $MODELTAP_CONFIGS or ./configs replaces them).",
         metavar="NAME",
         panel=TOL,
+        variants={
+            "compare": {
+                "help": "Tolerance preset (modeltap's own, or a configs/tolerances.toml of yours) "
+                "[default: bf16 or fp16 for those variants, cross-device for cuda, compile for "
+                "compile, else fp32]."
+            }
+        },
     )
     overrides: dict[str, dict[str, float]] = field(default_factory=dict)
     map: list[str] = option(
@@ -310,6 +338,12 @@ class Settings:
         metavar="OLD=NEW|FILE",
         panel=KEYS,
         param="map_",
+        variants={
+            "compare": {
+                "help": "Rename the candidate's module names to MODEL's: OLD=NEW globs "
+                "('bert.*=*'), or a TOML/JSON file of [keys] and [modules] renames; repeatable."
+            }
+        },
     )
     equal_nan: bool = option(
         False, "--equal-nan/--nan-differs", help="Count NaN == NaN as equal.", panel=TOL
@@ -384,10 +418,27 @@ class Settings:
         metavar="NORM",
     )
     # compare (scaled_atol and min_cosine are tolerances of diff too)
-    against: str | None = None
+    against: str | None = option(
+        None,
+        "--against",
+        "-a",
+        help="The variant: bf16, fp16, attn:IMPL (eager, sdpa...), cuda, compile, export.",
+        metavar="VARIANT",
+        panel="Variant",
+    )
     candidate: str | None = None
-    out_dir: str | None = None
-    use_cache: bool = False
+    out_dir: str | None = option(
+        help="Keep both dumps (candidate and reference) and report.json here.",
+        metavar="DIR",
+        panel=OUTPUT,
+        path=True,
+    )
+    use_cache: bool = option(
+        False,
+        "--use-cache/--no-use-cache",
+        help="Let the model keep a cache [default: no].",
+        panel=RUNNING,
+    )
     scaled_atol: float = 0.0
     min_cosine: float | None = None
     # compare only: scale-relative allowance for rounding accumulated from module to module
@@ -455,6 +506,15 @@ class Settings:
         "the model's generation config, else 20].",
         metavar="N",
         panel=RUNNING,
+        variants={
+            "compare": {
+                "flags": ("--generate",),
+                "help": "Compare N decoding steps of generate(), the candidate forced to the "
+                "reference's tokens; loads the model with its LM head unless --model-class says "
+                "otherwise (see `modeltap generate`).",
+                "param": "generate",
+            }
+        },
     )
     do_sample: bool | None = option(
         None,
