@@ -4,58 +4,68 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 
 from modeltap.cli.app import app, given, handle_errors, refuse, stdout, write_atomically
-from modeltap.cli.options import (
-    OUTPUT,
-    AtolOpt,
-    ConfigOpt,
-    EqualNanOpt,
-    ExcludeOpt,
-    HtmlOpt,
-    JsonOpt,
-    JunitOpt,
-    KeyIncludeOpt,
-    MapOpt,
-    PresetOpt,
-    RtolOpt,
-    StrictOpt,
-    UpcastOpt,
-)
+from modeltap.cli.options import Given, command
 from modeltap.config import Settings
-from modeltap.diff.from_settings import diff_report, diff_settings
+from modeltap.config.settings import OUTPUT, CliOption
+from modeltap.diff.from_settings import diff_report, diff_tolerances
 from modeltap.errors import InputError
+
+A = CliOption(
+    argument=True,
+    help="First dump, e.g. the candidate.",
+    metavar="A",
+    type=Path,
+    required=True,
+)
+B = CliOption(
+    argument=True,
+    help="Second dump; rtol is relative to |B|, as torch.allclose(A, B).",
+    metavar="B",
+    type=Path,
+    required=True,
+)
+SHOW_ALL = CliOption(
+    ("--all",), help="List every pair, in order.", panel=OUTPUT, type=bool, default=False
+)
 
 
 @app.command("diff")
 @handle_errors
+@command(
+    "diff",
+    ("a", A),
+    ("b", B),
+    "atol",
+    "rtol",
+    "preset",
+    "map",
+    "include",
+    "exclude",
+    "equal_nan",
+    "upcast",
+    "strict",
+    ("show_all", SHOW_ALL),
+    "json_out",
+    "junit",
+    "html",
+    "config",
+    apart=("atol", "rtol"),  # over the preset
+)
 def diff_command(
-    a: Annotated[Path, typer.Argument(help="First dump, e.g. the candidate.", metavar="A")],
-    b: Annotated[
-        Path,
-        typer.Argument(
-            help="Second dump; rtol is relative to |B|, as torch.allclose(A, B).", metavar="B"
-        ),
-    ],
-    atol: AtolOpt = None,
-    rtol: RtolOpt = None,
-    preset: PresetOpt = None,
-    map_: MapOpt = None,
-    include: KeyIncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    equal_nan: EqualNanOpt = None,
-    upcast: UpcastOpt = None,
-    strict: StrictOpt = None,
-    show_all: Annotated[
-        bool, typer.Option("--all", help="List every pair, in order.", rich_help_panel=OUTPUT)
-    ] = False,
-    json_out: JsonOpt = False,
-    junit: JunitOpt = None,
-    html: HtmlOpt = None,
-    config: ConfigOpt = None,
+    s: Settings,
+    flags: Given,
+    *,
+    a: Path,
+    b: Path,
+    show_all: bool,
+    json_out: bool,
+    junit: Path | None,
+    html: Path | None,
 ) -> None:
     """Compare two dumps, or two run folders of modeltap.record step by step; exit 0 when every
     tensor is within tolerance, 1 when not."""
@@ -65,24 +75,13 @@ def diff_command(
 
     if a.is_dir() or b.is_dir():
         refuse(
-            given(junit=junit, html=html, strict=strict, upcast=upcast, equal_nan=equal_nan)
-            + given(map=map_ or None, include=include or None, exclude=exclude or None),
+            given(junit=junit, html=html)
+            + flags.flags("strict", "upcast", "equal_nan", "map_", "include", "exclude"),
             "can't apply to run folders (their steps are compared by statistics first)",
         )
-        return _diff_runs(a, b, atol, rtol, preset, config, show_all, json_out)
+        return _diff_runs(a, b, s, flags, show_all, json_out)
 
-    s, values = diff_settings(
-        config,
-        atol=atol,
-        rtol=rtol,
-        preset=preset,
-        map=map_ or [],
-        include=include or [],
-        exclude=exclude or [],
-        equal_nan=equal_nan,
-        upcast=upcast,
-        strict=strict,
-    )
+    values = diff_tolerances(s, atol=flags["atol"], rtol=flags["rtol"], upcast=flags["upcast"])
     if junit is not None:
         check_writable(junit, "--junit")
     if html is not None:
@@ -122,14 +121,7 @@ def diff_command(
 
 
 def _diff_runs(
-    a: Path,
-    b: Path,
-    atol: float | None,
-    rtol: float | None,
-    preset: str | None,
-    config: Path | None,
-    show_all: bool,
-    json_out: bool,
+    a: Path, b: Path, s: Settings, flags: Given, show_all: bool, json_out: bool
 ) -> None:
     from modeltap.diff.runs import diff_runs
     from modeltap.diff.tolerance import Tolerance
@@ -137,7 +129,7 @@ def _diff_runs(
 
     if not (a.is_dir() and b.is_dir()):
         raise InputError("give two run folders (or two dump files), not one of each")
-    _, values = diff_settings(config, atol=atol, rtol=rtol, preset=preset)
+    values = diff_tolerances(s, atol=flags["atol"], rtol=flags["rtol"], upcast=None)
     report = diff_runs(a, b, tolerance=Tolerance(**values))
     if json_out:
         print(json.dumps(report.to_json(), indent=1))

@@ -195,7 +195,7 @@ class Given(dict[str, Any]):
         refusing an option that cannot apply instead of ignoring it."""
         from modeltap.cli.app import given
 
-        return given(**{name: self.get(name) for name in names})
+        return given(**{name.rstrip("_"): self.get(name) for name in names})
 
 
 def command(
@@ -238,7 +238,8 @@ def command(
                 return body(**values)
             from modeltap.config import load_settings
 
-            given = Given({k: v for k, v in values.items() if k in fields})
+            # a repeatable option not given comes as [], None here
+            given = Given({k: v if v != [] else None for k, v in values.items() if k in fields})
             flags = {fields[k]: _setting(v) for k, v in given.items() if k not in apart}
             cli = {k: v for k, v in values.items() if k not in fields and k != "config"}
             if "text" in values:  # TEXT|FILE, --image, --audio, --text and the folders

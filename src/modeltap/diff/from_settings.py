@@ -18,13 +18,23 @@ def diff_settings(
     """diff's settings (flags < config files) and tolerance values (preset < settings < flags),
     as `diff`, `report A B` and run diffs all read them: a preset made for comparing dtypes
     (`upcast = true`: bf16, fp16) turns --upcast on unless --no-upcast was given."""
-    from modeltap.config import load_settings, read_preset, tolerance_values
+    from modeltap.config import load_settings
 
     s = load_settings("diff", config_file=config, flags=flags)
+    return s, diff_tolerances(s, atol=atol, rtol=rtol, upcast=flags.get("upcast"))
+
+
+def diff_tolerances(
+    s: Settings, *, atol: float | None, rtol: float | None, upcast: bool | None
+) -> dict[str, float]:
+    """The tolerance values of diff's settings `s` with --atol/--rtol over its preset; a preset
+    made for comparing dtypes turns `s.upcast` on unless --upcast/--no-upcast was given."""
+    from modeltap.config import read_preset, tolerance_values
+
     values = tolerance_values(s, atol=atol, rtol=rtol, preset=s.preset)
-    if flags.get("upcast") is None and s.preset and read_preset(s.preset).get("upcast"):
+    if upcast is None and s.preset and read_preset(s.preset).get("upcast"):
         s.upcast = True
-    return s, values
+    return values
 
 
 def diff_report(a: Path, b: Path, s: Settings, values: dict[str, float]) -> DiffReport:
