@@ -259,6 +259,16 @@ def command(
     return build
 
 
+def as_settings(name: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Command `name`'s values of settings options, by parameter name, as `load_settings` takes
+    them (by field name, paths as strings, choices as their value)."""
+    fields = {}
+    for field_name, f in FIELDS.items():
+        if "cli" in f.metadata:
+            fields[declaration(field_name, name).param or field_name] = field_name
+    return {fields[k]: _setting(v) for k, v in values.items()}
+
+
 def _setting(value: Any) -> Any:
     """A command-line value as Settings holds it: paths as strings, choices as their value."""
     if isinstance(value, (list, tuple)):

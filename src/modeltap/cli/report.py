@@ -3,60 +3,45 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
-
-import typer
+from typing import Any
 
 from modeltap.cli.app import app, handle_errors
-from modeltap.cli.options import (
-    OUTPUT,
-    AtolOpt,
-    ConfigOpt,
-    EqualNanOpt,
-    ExcludeOpt,
-    KeyIncludeOpt,
-    MapOpt,
-    PresetOpt,
-    RtolOpt,
-    StrictOpt,
-    UpcastOpt,
-)
+from modeltap.cli.options import as_settings, command
 from modeltap.cli.printing import write_html
+from modeltap.config.settings import CliOption
 from modeltap.errors import InputError
+
+INPUTS = CliOption(
+    argument=True,
+    help="A dump; two dumps A B (a diff, with the options of `modeltap diff`); a "
+    "`compare --json` report (.json); or a run folder written by modeltap.record.",
+    metavar="INPUT...",
+    show_default=False,
+    type=list[Path],
+    required=True,
+)
 
 
 @app.command("report")
 @handle_errors
+@command(
+    "report",
+    ("inputs", INPUTS),
+    "out",
+    "atol",
+    "rtol",
+    "preset",
+    "map",
+    "include",
+    "exclude",
+    "equal_nan",
+    "upcast",
+    "strict",
+    "config",
+    settings=False,  # read only for a diff page, as `modeltap diff` reads them
+)
 def report_command(
-    inputs: Annotated[
-        list[Path],
-        typer.Argument(
-            help="A dump; two dumps A B (a diff, with the options of `modeltap diff`); a "
-            "`compare --json` report (.json); or a run folder written by modeltap.record.",
-            metavar="INPUT...",
-            show_default=False,
-        ),
-    ],
-    out: Annotated[
-        Path | None,
-        typer.Option(
-            "--out",
-            "-o",
-            help="HTML file [default: <first input's name>.html].",
-            metavar="FILE",
-            rich_help_panel=OUTPUT,
-        ),
-    ] = None,
-    atol: AtolOpt = None,
-    rtol: RtolOpt = None,
-    preset: PresetOpt = None,
-    map_: MapOpt = None,
-    include: KeyIncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    equal_nan: EqualNanOpt = None,
-    upcast: UpcastOpt = None,
-    strict: StrictOpt = None,
-    config: ConfigOpt = None,
+    *, inputs: list[Path], out: Path | None, config: Path | None, **diff_options: Any
 ) -> None:
     """Write one self-contained HTML page (opens offline) of a dump, a diff, a compare or a run."""
     if len(inputs) > 2:
@@ -72,19 +57,7 @@ def report_command(
     command = invocation("report", [str(p) for p in inputs] + ["-o", str(target)])
     if len(inputs) == 2:
         page = _diff_page(
-            inputs[0],
-            inputs[1],
-            command,
-            config=config,
-            atol=atol,
-            rtol=rtol,
-            preset=preset,
-            map=map_ or [],
-            include=include or [],
-            exclude=exclude or [],
-            equal_nan=equal_nan,
-            upcast=upcast,
-            strict=strict,
+            inputs[0], inputs[1], command, config=config, **as_settings("report", diff_options)
         )
     elif first.is_dir():
         from modeltap.record.index import read_run

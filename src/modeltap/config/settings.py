@@ -183,6 +183,7 @@ class Settings:
         variants={
             "grads": {"help": "Output file [default: <model name>.grads.safetensors]."},
             "generate": {"help": "Dump file [default: <model name>.gen.safetensors]."},
+            "report": {"help": "HTML file [default: <first input's name>.html]."},
             "export": {
                 "help": "Archive: .pt2 (torch.export) or .pt (a TorchScript trace) "
                 "[default: <model name>.pt2]."
