@@ -98,16 +98,16 @@ def _faulted_minilm(folder: Path) -> None:
 
 def _tripped_run(folder: Path) -> None:
     """`runs/exp3` of the replay example, beside its `tripmodel.py` in the scratch folder."""
-    from tests.test_integrations import tripped_run
+    from tests.fixtures.recorded_runs import tripped_run
 
     tripped_run(folder.parent.parent, "runs/exp3")
 
 
 def _runs_apart(folder: Path) -> None:
     """`runs/base` and `runs/fault` of the run diff example (the run diff test's training)."""
-    from tests.test_integrations import _run_with_fault
+    from tests.fixtures.recorded_runs import run_with_fault
 
-    _run_with_fault(folder, 20 if folder.name == "fault" else None)
+    run_with_fault(folder, 20 if folder.name == "fault" else None)
 
 
 def _tiny_vit(folder: Path) -> None:

@@ -27,6 +27,7 @@ from modeltap.generate import (
 )
 from modeltap.loading import text_inputs
 from tests.fixtures.hf import gpt2_tokenizer
+from tests.fixtures.plain_outputs import assert_step_matches, plain_outputs
 
 PROMPT = "hello world the quick"
 
@@ -101,48 +102,6 @@ def _prompt(tok) -> object:  # noqa: ANN001
     return text_inputs(tok, [PROMPT])
 
 
-def _plain_outputs(model, run) -> dict[str, object]:  # noqa: ANN001
-    """Every module's output of one forward, by this test's own hooks (first call of each)."""
-    outputs: dict[str, object] = {}
-
-    def keep(name: str, out: object) -> None:
-        # copied as returned: the model may change a module's output in place afterwards
-        if name not in outputs:
-            outputs[name] = out.clone() if isinstance(out, torch.Tensor) else out
-            if name == "__root__":
-                outputs[name] = out.logits.clone()
-
-    handles = [
-        module.register_forward_hook(
-            lambda mod, args, out, name=name: keep(name or "__root__", out)
-        )
-        for name, module in model.named_modules()
-    ]
-    try:
-        with torch.no_grad():
-            run()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return outputs
-
-
-def _assert_step_matches(view, outputs: dict[str, object]) -> int:  # noqa: ANN001
-    """Each module whose plain output is one tensor, and the root's logits, equal the step's."""
-    checked = 0
-    for name, out in outputs.items():
-        if name == "__root__":
-            key = "__root__:logits"
-        elif isinstance(out, torch.Tensor):
-            key = name
-        else:
-            continue
-        assert key in view.keys(), key
-        torch.testing.assert_close(view[key], out, rtol=1e-5, atol=1e-6, msg=key)
-        checked += 1
-    return checked
-
-
 def _reference_steps(model, inputs, new_ids: list[int]) -> list[dict[str, object]]:  # noqa: ANN001
     """Plain forwards over the prompt, then over each new token with the cache: what generate
     runs, written here without modeltap or generate."""
@@ -165,10 +124,10 @@ def _reference_steps(model, inputs, new_ids: list[int]) -> list[dict[str, object
                 use_cache=True,
             )
 
-        steps.append(_plain_outputs(model, first))
+        steps.append(plain_outputs(model, first))
         for k in range(1, len(new_ids)):
             steps.append(
-                _plain_outputs(
+                plain_outputs(
                     model,
                     lambda k=k: model(
                         encoder_outputs=encoded[0],
@@ -182,14 +141,14 @@ def _reference_steps(model, inputs, new_ids: list[int]) -> list[dict[str, object
     cache = DynamicCache(config=model.config)
     mask = inputs.kwargs["attention_mask"]
     steps.append(
-        _plain_outputs(
+        plain_outputs(
             model, lambda: model(input_ids=ids, attention_mask=mask, past_key_values=cache)
         )
     )
     for k in range(1, len(new_ids)):
         full_mask = torch.ones(1, ids.shape[1] + k, dtype=mask.dtype)
         steps.append(
-            _plain_outputs(
+            plain_outputs(
                 model,
                 lambda k=k, m=full_mask: model(
                     input_ids=torch.tensor([[new_ids[k - 1]]]),
@@ -228,7 +187,7 @@ def test_every_step_equals_a_plain_cached_forward(build, tok, tmp_path: Path) ->
     assert steps_of(dump) == list(range(len(done.new_ids[0])))
     reference = _reference_steps(model, inputs, done.new_ids[0])
     for step, outputs in enumerate(reference):
-        assert _assert_step_matches(step_view(dump, step), outputs) > 5
+        assert assert_step_matches(step_view(dump, step), outputs) > 5
 
 
 def test_prefill_keys_and_values_equal_a_one_forward_dump(tok, tmp_path: Path) -> None:  # noqa: ANN001

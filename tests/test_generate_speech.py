@@ -5,7 +5,8 @@ Whisper's `generate()` reads a decoder prompt of several tokens (start, language
 no-timestamps) in its first forward and returns the new tokens without that prompt and without
 the EOS; with no language set it first runs a forward of its own to detect one. The references
 here are plain transformers code: `model.generate` for the tokens, and forwards over the decoder
-prompt and then each new token with the model's cache, with this file's own hooks.
+prompt and then each new token with the model's cache, seen by plain hooks
+(tests/fixtures/plain_outputs.py).
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ from modeltap.cli import app
 from modeltap.dump import load_dump
 from modeltap.generate import Decoding, StepPlan, generate_model, step_view, steps_of
 from modeltap.loading import Inputs
-from tests.fixtures.media import build_whisper_generator, tone, write_wav
-from tests.test_generate import _assert_step_matches, _plain_outputs
-from tests.test_processors import read_wav
+from tests.fixtures.media import build_whisper_generator, read_wav, tone, write_wav
+from tests.fixtures.plain_outputs import assert_step_matches, plain_outputs
 
 runner = CliRunner()
 N = 6
@@ -81,9 +81,9 @@ def _reference_steps(model, features, prompt: list[int], new_ids: list[int]) -> 
         ids = torch.tensor([[token]])
         model(encoder_outputs=encoded[0], decoder_input_ids=ids, cache=cache)
 
-    steps = [_plain_outputs(model, prefill)]
+    steps = [plain_outputs(model, prefill)]
     for k in range(1, len(new_ids)):
-        steps.append(_plain_outputs(model, lambda k=k: step(new_ids[k - 1])))
+        steps.append(plain_outputs(model, lambda k=k: step(new_ids[k - 1])))
     return steps
 
 
@@ -115,7 +115,7 @@ def test_every_step_after_the_decoder_prompt_equals_a_plain_cached_forward(
     reference = _reference_steps(model, features, prompt, done.new_ids[0])
     for step, outputs in enumerate(reference):
         view = step_view(dump, step)
-        assert _assert_step_matches(view, outputs) > 20
+        assert assert_step_matches(view, outputs) > 20
         # the decoder read the whole prompt at step 0, one token after
         assert view["model.decoder.embed_tokens"].shape[1] == (len(prompt) if step == 0 else 1)
         # the step's recorded choice is its own logits' likeliest token, with its probability
@@ -155,7 +155,7 @@ def test_language_detection_is_a_forward_outside_the_steps(speech: Path, tmp_pat
     assert not [k for k in step0.keys() if "#" in k.partition(":")[0]]
     reference = _reference_steps(model, features, prompt, done.new_ids[0])
     for step, outputs in enumerate(reference):
-        assert _assert_step_matches(step_view(dump, step), outputs) > 20
+        assert assert_step_matches(step_view(dump, step), outputs) > 20
 
 
 def test_eos_is_the_last_steps_token_though_whisper_returns_without_it(

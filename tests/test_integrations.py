@@ -17,6 +17,7 @@ from torch import nn
 
 from modeltap.dump import load_dump
 from modeltap.record import read_run
+from tests.fixtures.recorded_runs import run_with_fault, tripped_run
 
 TEXTS = ["hello world", "the quick brown fox", "numbers users can trust", "a second sentence"]
 
@@ -445,62 +446,6 @@ def test_accelerate_recipe_records_optimizer_steps(tmp_path: Path) -> None:
                 torch.testing.assert_close(f.get_tensor("grad/" + name), grad, rtol=0, atol=0)
 
 
-FACTORY = '''
-import torch
-from torch import nn
-import torch.nn.functional as F
-
-
-class Noisy(nn.Module):
-    """Dropout, then a linear map: which outputs an inf weight turns into NaN (inf * 0) or Inf
-    depends on the dropout mask, so a replay without the call's RNG state does not reproduce it."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
-
-    def forward(self, x, scale=1.0):
-        return F.linear(F.dropout(x, 0.5, self.training), self.weight) * scale
-
-
-def make():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Noisy(), nn.Linear(8, 2))
-'''
-
-
-def tripped_run(folder: Path, run: str = "run", **options: object):  # noqa: ANN201
-    """Write tripmodel.py into `folder` and train its model there until a weight made inf at
-    step 7 trips, recording into `folder/run` with on_nonfinite="dump". Also the README's
-    replay example (scripts/readme_examples.py). Returns (the module, the NonFiniteError)."""
-    import importlib.util
-
-    import modeltap
-    from modeltap.record import NonFiniteError
-
-    (folder / "tripmodel.py").write_text(FACTORY)
-    spec = importlib.util.spec_from_file_location("tripmodel", folder / "tripmodel.py")
-    tripmodel = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tripmodel)
-    model = tripmodel.make().train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    generator = torch.Generator().manual_seed(0)
-    try:
-        options = options or {"on_nonfinite": "dump"}
-        with modeltap.record(model, folder / run, every=5, **options) as rec:
-            for step in range(10):
-                if step == 7:
-                    with torch.no_grad():
-                        model[2].weight[3, 1] = float("inf")
-                model(torch.randn(6, 4, generator=generator)).square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-                rec.step()
-    except NonFiniteError as exc:
-        return tripmodel, exc
-    raise AssertionError("the inf weight did not trip")
-
-
 @pytest.mark.parametrize("armed", [{"on_nonfinite": "dump"}, {"flight": True}])
 def test_replay_reproduces_a_nan_from_the_step_file_alone(tmp_path: Path, armed: dict) -> None:
     import subprocess
@@ -539,24 +484,6 @@ def test_replay_reproduces_a_nan_from_the_step_file_alone(tmp_path: Path, armed:
     assert done.returncode == 2 and done.stderr.startswith("error: step 5 of 'run' did not trip")
 
 
-def _run_with_fault(folder: Path, fault_at: int | None, **options: object) -> None:
-    import modeltap
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    generator = torch.Generator().manual_seed(1)
-    with modeltap.record(model, folder, every=5, rules=[], **options) as rec:
-        for step in range(32):
-            if step == fault_at:
-                with torch.no_grad():
-                    model[2].weight[0] *= 1.01  # one row of one layer, from this step on
-            model(torch.randn(8, 4, generator=generator)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            rec.step()
-
-
 @pytest.mark.parametrize("full_every", [None, 10])
 def test_run_diff_names_the_step_and_layer_where_two_runs_part(
     tmp_path: Path, full_every: int | None
@@ -566,9 +493,9 @@ def test_run_diff_names_the_step_and_layer_where_two_runs_part(
     from modeltap.cli import app
     from modeltap.diff import diff_runs
 
-    _run_with_fault(tmp_path / "a", None, full_every=full_every)
-    _run_with_fault(tmp_path / "b", 20, full_every=full_every)
-    _run_with_fault(tmp_path / "c", None, full_every=full_every)
+    run_with_fault(tmp_path / "a", None, full_every=full_every)
+    run_with_fault(tmp_path / "b", 20, full_every=full_every)
+    run_with_fault(tmp_path / "c", None, full_every=full_every)
     report = diff_runs(tmp_path / "b", tmp_path / "a")
     first = report.first
     assert (first.step, first.rank, first.first) == (20, 0, "2")  # not 0 or 1, upstream of it
@@ -594,7 +521,7 @@ def test_run_diff_refuses_what_applies_to_dumps_only(tmp_path: Path) -> None:
 
     from modeltap.cli import app
 
-    _run_with_fault(tmp_path / "a", None)
+    run_with_fault(tmp_path / "a", None)
     args = ["diff", str(tmp_path / "a"), str(tmp_path / "a")]
     result = CliRunner().invoke(app, [*args, "--junit", str(tmp_path / "r.xml"), "--strict"])
     assert result.exit_code == 2

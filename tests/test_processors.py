@@ -34,6 +34,7 @@ from tests.fixtures.media import (
     build_vit,
     build_whisper,
     hooked_forward,
+    read_wav,
     tone,
     write_image,
     write_wav,
@@ -73,15 +74,6 @@ def assert_same_as_plain(
     assert len(common) >= at_least, sorted(tensors)[:20]
     for key in common:
         torch.testing.assert_close(tensors[key], expected[key], rtol=0, atol=0, msg=key)
-
-
-def read_wav(path: Path) -> tuple[np.ndarray, int]:
-    """Mono float32 as soundfile would give it (int16 / 32768, channels averaged)."""
-    with wave.open(str(path)) as w:
-        rate, channels = w.getframerate(), w.getnchannels()
-        raw = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
-    samples = raw.reshape(-1, channels).astype(np.float32) / 32768
-    return samples.mean(axis=1, dtype=np.float32), rate
 
 
 # --- telling files apart ---------------------------------------------------------------------

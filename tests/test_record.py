@@ -26,60 +26,9 @@ from modeltap.record import (
     VanishingGradient,
     read_run,
 )
+from tests.fixtures.poison import Tiny, batch
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-class Poison(nn.Linear):
-    """A Linear that writes one NaN into its output while `on`."""
-
-    on = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
-        if self.on:
-            y = y.clone()
-            y[0, 0] = float("nan")
-        return y
-
-
-class _NanGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-        return x * 1.0
-
-    @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
-        out = grad.clone()
-        out[0, 0] = float("nan")
-        return out
-
-
-class PoisonGrad(nn.Module):
-    """Identity forward; while `on`, a NaN in the gradient it passes back to its input."""
-
-    on = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _NanGrad.apply(x) if self.on else x * 1.0
-
-
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(6, 16)
-        self.act = nn.ReLU()
-        self.fc2 = Poison(16, 16)
-        self.gate = PoisonGrad()
-        self.tanh = nn.Tanh()
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.tanh(self.gate(self.fc2(self.act(self.fc1(x))))))
-
-
-def batch(step: int) -> torch.Tensor:
-    return torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
 
 
 def run_steps(

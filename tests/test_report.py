@@ -16,8 +16,8 @@ import modeltap
 from modeltap.cli import app
 from modeltap.dump import load_dump
 from tests.fixtures.browser import OpenPage, launch_chromium
-from tests.test_record import Tiny, batch
-from tests.test_stats import reference_hist
+from tests.fixtures.histograms import reference_hist
+from tests.fixtures.poison import Tiny, batch
 
 runner = CliRunner()
 
@@ -86,8 +86,8 @@ def test_record_hist_stores_each_steps_histograms(tmp_path: Path) -> None:
 
 
 def _tiny_dump(path: Path, *, poison: bool) -> dict[str, torch.Tensor]:
-    """A dump of test_record's Tiny with histograms (fc2 writing a NaN when `poison`), and every
-    module's output as plain hooks saw it."""
+    """A dump of Tiny (tests/fixtures/poison.py) with histograms (fc2 writing a NaN when
+    `poison`), and every module's output as plain hooks saw it."""
     from modeltap.loading import Inputs
     from modeltap.run import dump_model
 
