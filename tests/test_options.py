@@ -53,3 +53,50 @@ def test_readme_option_tables_name_only_options_their_command_has():
     for command, flags in rows:
         unknown = sorted(set(flags) - _flags(command))
         assert not unknown, f"README's `modeltap {command}` table names {unknown}"
+
+
+def _declared_flags(owner, declared, name):
+    """(flag, owner) for each long flag of a declaration and its per-command variants."""
+    for d in [declared, *(declared.for_command(c) for c in declared.variants)]:
+        for flags in d.flags or (
+            [] if d.argument else [f"--{(d.param or name).replace('_', '-')}"]
+        ):
+            for flag in flags.split("/"):
+                if flag.startswith("--"):
+                    yield flag, owner
+
+
+def test_each_option_is_declared_once():
+    """Before, --out was written in five places and compare restated six shared options: now a
+    flag belongs to one declaration (a Settings field, CLI_ONLY, or a command's own), and no
+    command module builds typer parameters itself."""
+    import dataclasses
+    import importlib
+
+    from modeltap.cli.options import CLI_ONLY
+    from modeltap.config import CliOption, Settings
+
+    src = Path(__file__).resolve().parent.parent / "src" / "modeltap" / "cli"
+    for path in src.glob("*.py"):
+        if path.name not in ("options.py", "app.py"):  # app: --version only
+            text = path.read_text()
+            assert "typer.Option(" not in text and "typer.Argument(" not in text, path
+    owners = {}
+    found = [
+        *(
+            flag_owner
+            for f in dataclasses.fields(Settings)
+            if "cli" in f.metadata
+            for flag_owner in _declared_flags(f"Settings.{f.name}", f.metadata["cli"], f.name)
+        ),
+        *(x for n, d in CLI_ONLY.items() for x in _declared_flags(f"CLI_ONLY.{n}", d, n)),
+    ]
+    for module, _ in COMMANDS.values():
+        for n, d in vars(importlib.import_module(module)).items():
+            if isinstance(d, CliOption):
+                found.extend(_declared_flags(f"{module}.{n}", d, n.lower()))
+    for flag, owner in found:
+        owners.setdefault(flag, set()).add(owner)
+    assert {f: o for f, o in owners.items() if len(o) > 1} == {}
+    commands = {f for name in COMMANDS for f in _flags(name) if f.startswith("--")}
+    assert commands - {"--help"} <= set(owners)

@@ -20,8 +20,6 @@ from modeltap.errors import InputError, ModeltapError
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from modeltap.config import Settings
-
 # Each command: its module, imported only when the command runs or its help is asked for, and
 # the first paragraph of its docstring, which `modeltap --help` lists (test_cli.py checks that
 # they agree). This order is the order of `modeltap --help`.
@@ -393,12 +391,6 @@ def _root(
 
         print(f"modeltap {__version__}")
         raise typer.Exit(0)
-
-
-def settings(command: str, config: Path | None, **flags: Any) -> Settings:
-    from modeltap.config import load_settings
-
-    return load_settings(command, config_file=config, flags=flags)
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -13,7 +13,7 @@ from modeltap.cli.inputs import command_name, offered_flags, sorted_inputs
 from modeltap.cli.options import SELECT, Given, command
 from modeltap.cli.printing import note, write_html
 from modeltap.config import Settings
-from modeltap.config.settings import OUTPUT, CliOption
+from modeltap.config.settings import CliOption
 from modeltap.errors import InputError
 
 REPORT_FILE = "report.json"
@@ -26,7 +26,6 @@ REST = CliOption(
     metavar="TEXT",
     type=list[str] | None,
 )
-SHOW_ALL = CliOption(("--all",), help="List every module.", panel=OUTPUT, type=bool, default=False)
 
 
 @app.command("compare")
@@ -48,7 +47,7 @@ SHOW_ALL = CliOption(("--all",), help="List every module.", panel=OUTPUT, type=b
     "json_out",
     "junit",
     "html",
-    ("show_all", SHOW_ALL),
+    "show_all",
     "revision",
     "model_class",
     "tokenizer",

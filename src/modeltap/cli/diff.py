@@ -11,7 +11,7 @@ import typer
 from modeltap.cli.app import app, given, handle_errors, refuse, stdout, write_atomically
 from modeltap.cli.options import Given, command
 from modeltap.config import Settings
-from modeltap.config.settings import OUTPUT, CliOption
+from modeltap.config.settings import CliOption
 from modeltap.diff.from_settings import diff_report, diff_tolerances
 from modeltap.errors import InputError
 
@@ -28,9 +28,6 @@ B = CliOption(
     metavar="B",
     type=Path,
     required=True,
-)
-SHOW_ALL = CliOption(
-    ("--all",), help="List every pair, in order.", panel=OUTPUT, type=bool, default=False
 )
 
 
@@ -49,7 +46,7 @@ SHOW_ALL = CliOption(
     "equal_nan",
     "upcast",
     "strict",
-    ("show_all", SHOW_ALL),
+    "show_all",
     "json_out",
     "junit",
     "html",

@@ -1,14 +1,14 @@
 """Command-line parameters built from the one declaration of each option.
 
 A settings option is declared once, as a field of `modeltap.config.Settings` (flags, help, panel,
-metavar); an option of the command line only (--json, --config...) in `CLI_ONLY` here. `param`
-turns a declaration into typer's `Annotated` type; `command` composes a command's signature from a
-list of names and hands its body one `Settings` (habit 4 in STYLE.md).
+metavar); an option of the command line only (--json, --config...) in `CLI_ONLY` here, one of a
+single command in that command's module. `command` composes a command's signature (typer reads
+`__signature__`) from a list of names and hands its body one `Settings` (habit 4 in STYLE.md);
+`option_table` writes the table a docs page shows.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -114,6 +114,14 @@ CLI_ONLY: dict[str, CliOption] = {
         panel=OUTPUT,
         type=Path | None,
     ),
+    "show_all": CliOption(
+        ("--all",),
+        help="List every module.",
+        panel=OUTPUT,
+        type=bool,
+        default=False,
+        variants={"diff": {"help": "List every pair, in order."}},
+    ),
     "allow_pickle": CliOption(
         ("--allow-pickle/--no-allow-pickle",),
         help="Load a .pt2 archive that needs a full unpickle (runs its code; trusted files only).",
@@ -152,12 +160,6 @@ def _value_type(name: str, declared: CliOption) -> Any:
     if TYPES[name] is list:
         leaf = list[Path] if declared.path else HINTS[name]
     return leaf | None
-
-
-def param(name: str, command: str | None = None, **changes: Any) -> Any:
-    """typer's `Annotated` type of parameter `name` (as `command` shows it)."""
-    declared = dataclasses.replace(declaration(name, command), **changes)
-    return _annotated(_value_type(name, declared), declared)
 
 
 def _annotated(kind: Any, d: CliOption) -> Any:
@@ -298,72 +300,3 @@ def option_table(name: str) -> str:
             flags, meaning = flags.replace("|", "\\|"), text.replace("|", "\\|")
             lines.append(f"| `{flags}` | {meaning} |")
     return "\n".join(lines) + "\n"
-
-
-# The shared options as typer types, for the commands not yet built by `command`.
-ModelArg = param("model")
-ExportModelArg = param("model", "export")
-ConfigOpt = param("config")
-DepthOpt = param("depth")
-IncludeOpt = param("include")
-ExcludeOpt = param("exclude")
-OutOpt = param("out")
-JsonOpt = param("json_out")
-TextArg = param("sentences")
-InputsArg = param("text")
-TextOpt = param("text_opt")
-ImagesDirOpt = param("images_dir")
-AudioDirOpt = param("audio_dir")
-LimitOpt = param("limit")
-JunitOpt = param("junit")
-HtmlOpt = param("html")
-RevisionOpt = param("revision")
-ModelClassOpt = param("model_class")
-TrustOpt = param("trust_remote_code")
-AllowMissingWeightsOpt = param("allow_missing_weights")
-ImageOpt = param("images")
-AudioOpt = param("audio")
-ProcessorOpt = param("processor")
-ChatOpt = param("chat")
-PromptChatOpt = param("chat", "generate")
-InputFileOpt = param("input_file")
-StatsOnlyOpt = param("stats_only")
-HistOpt = param("hist")
-TokenizerOpt = param("tokenizer")
-HfTokenizerOpt = param("tokenizer", "generate")
-DTypeOpt = param("dtype")
-DeviceOpt = param("device")
-TrainModeOpt = param("train_mode")
-TargetOpt = param("target")
-WrtOpt = param("wrt")
-LossOpt = param("loss")
-GradOutputOpt = param("grad_output")
-ParamsOpt = param("params")
-JacobianOpt = param("jacobian_norm")
-ProbesOpt = param("probes")
-VanishingOpt = param("vanishing")
-ExplodingOpt = param("exploding")
-MaxLengthOpt = param("max_length")
-SeedOpt = param("seed")
-PresetOpt = param("preset")
-AtolOpt = param("atol")
-RtolOpt = param("rtol")
-MapOpt = param("map")
-KeyIncludeOpt = param("include", "diff")
-StrictOpt = param("strict")
-UpcastOpt = param("upcast")
-EqualNanOpt = param("equal_nan")
-DeviceMapOpt = param("device_map")
-MaxMemoryOpt = param("max_memory")
-OffloadFolderOpt = param("offload_folder")
-CompileOpt = param("compile")
-CompileBackendOpt = param("compile_backend")
-FullgraphOpt = param("fullgraph")
-AllowPickleOpt = param("allow_pickle")
-MaxInflightOpt = param("max_inflight_mb")
-MaxNewTokensOpt = param("max_new_tokens")
-DoSampleOpt = param("do_sample")
-TemperatureOpt = param("temperature")
-TopKOpt = param("top_k")
-TopPOpt = param("top_p")
-NumBeamsOpt = param("num_beams")

@@ -28,7 +28,7 @@ KEYS = "Keys"
 class CliOption:
     """How a value is given on the command line.
 
-    `flags` as typer takes them ("--depth", "-d"; "--inputs/--no-inputs" for a switch; none: the
+    `flags` as typer takes them (--depth and -d; --inputs/--no-inputs for a switch; none: the
     parameter's name); `path`: a file name, a `Path` on the command line and a `str` in the
     settings; `choices`: the only values allowed (a choice on the command line, its string in the
     settings); `argument`: positional; `variants`: per command, what that command says otherwise
