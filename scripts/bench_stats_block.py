@@ -9,16 +9,17 @@ The tensors are shaped like bert-base's outputs on 8 x 128 (per layer ten [8,128
 It times, in this process with one torch thread (median of --reps): a memcpy of each tensor into
 a buffer allocated beforehand (numpy `copyto`, the machine's single-core copy speed), and
 `tensor_stats` of each tensor (what a dump's writer thread does) for each block of 2^k elements
-(`modeltap.stats.BLOCK`), with --hist too. GB/s are bytes of the tensor read per second; a memcpy
-also writes as many. The statistics' numbers differ between block sizes only in float32 rounding.
+(`modeltap.stats.blocks.BLOCK`), with --hist too. GB/s are bytes of the tensor read per second; a
+memcpy also writes as many. The statistics' numbers differ between block sizes only in float32
+rounding.
 
 With --final it times instead `final_stats` of the float32 tensors on two workers at once (what
 `dump --compile --stats-only` does with a finished graph's tensors), for each block of 2^k elements
-(`modeltap.stats.FINAL_BLOCK`).
+(`modeltap.stats.measure.FINAL_BLOCK`).
 
 With --batch it times instead, per tensor size, `batch_stats` of 100 tensors taken together (the
-batched path) against each alone (the per-tensor path): `modeltap.stats.BATCH_ELEMENTS` is where
-the second becomes the faster.
+batched path) against each alone (the per-tensor path): `modeltap.stats.batched.BATCH_ELEMENTS` is
+where the second becomes the faster.
 """
 
 from __future__ import annotations
@@ -76,13 +77,13 @@ def main() -> None:
         final_blocks(stats, tensors, gigabytes, args.blocks, median_seconds)
         return
     print(f"{'block':>8} {'dtype':>9} {'stats GB/s':>11} {'of memcpy':>10} {'+hist GB/s':>11}")
-    setting = stats.BLOCK
+    setting = stats.blocks.BLOCK
     try:
         for dtype in (torch.float32, torch.bfloat16):
             typed = [t.to(dtype) for t in tensors]
             size = sum(t.numel() * t.element_size() for t in typed) / 1e9
             for k in (int(k) for k in args.blocks.split(",")):
-                stats.BLOCK = 1 << k
+                stats.blocks.BLOCK = 1 << k
                 plain = size / median_seconds(
                     lambda typed=typed: [stats.tensor_stats(t) for t in typed]
                 )
@@ -102,36 +103,36 @@ def main() -> None:
                     f"{hist:>11.2f}"
                 )
     finally:
-        stats.BLOCK = setting
+        stats.blocks.BLOCK = setting
 
 
 def final_blocks(stats, tensors, gigabytes: float, blocks: str, median_seconds) -> None:  # noqa: ANN001
     from concurrent.futures import ThreadPoolExecutor
 
-    setting = stats.FINAL_BLOCK
+    setting = stats.measure.FINAL_BLOCK
     print(f"{'block':>8} {'final_stats GB/s, two workers':>30}")
     try:
         with ThreadPoolExecutor(2) as pool:
             for k in (int(k) for k in blocks.split(",")):
-                stats.FINAL_BLOCK = 1 << k
+                stats.measure.FINAL_BLOCK = 1 << k
                 seconds = median_seconds(lambda: list(pool.map(stats.final_stats, tensors)))
                 print(f"{'2^' + str(k):>8} {gigabytes / seconds:>30.2f}")
     finally:
-        stats.FINAL_BLOCK = setting
+        stats.measure.FINAL_BLOCK = setting
 
 
 def batch_crossover(stats, reps: int) -> None:  # noqa: ANN001 - the module
     import torch
 
     torch.manual_seed(0)
-    setting = stats.BATCH_ELEMENTS
+    setting = stats.batched.BATCH_ELEMENTS
     print(f"{'elements':>9} {'batched us/tensor':>18} {'alone us/tensor':>16}")
     try:
         for k in range(8, 19, 2):
             tensors = [torch.randn((1 << k) // 64, 64) for _ in range(100)]
             row = []
             for limit in (1 << 18, 1):  # everything batched; nothing batched
-                stats.BATCH_ELEMENTS = limit
+                stats.batched.BATCH_ELEMENTS = limit
                 times = []
                 for _ in range(reps + 1):  # the first is a warm-up
                     start = time.perf_counter()
@@ -141,7 +142,7 @@ def batch_crossover(stats, reps: int) -> None:  # noqa: ANN001 - the module
                 row.append(statistics.median(times[1:]) / len(tensors) * 1e6)
             print(f"{1 << k:>9} {row[0]:>18.1f} {row[1]:>16.1f}")
     finally:
-        stats.BATCH_ELEMENTS = setting
+        stats.batched.BATCH_ELEMENTS = setting
 
 
 if __name__ == "__main__":

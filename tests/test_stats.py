@@ -5,6 +5,7 @@ import torch
 
 from modeltap import stats as stats_module
 from modeltap.stats import tensor_stats
+from tests.fixtures.histograms import reference_hist
 
 
 def reference(x: torch.Tensor) -> dict[str, float]:
@@ -103,9 +104,9 @@ def test_device_path_is_exact_in_one_vector(monkeypatch, dtype):
     x[0, 1, 2], x[1, 5, 7], x[2, 0, 0] = math.nan, math.inf, -math.inf
     mask = torch.ones(3, 40, dtype=torch.bool)
     mask[:, 30:] = False
-    monkeypatch.setattr(stats_module, "CHUNK_ELEMENTS", 500)  # several chunks to combine
+    monkeypatch.setattr(stats_module.device, "CHUNK_ELEMENTS", 500)  # several chunks to combine
     # The path a CUDA tensor takes, run on the CPU: kernels only, then one vector to bring over.
-    pending = stats_module._device_stats(
+    pending = stats_module.device.device_stats(
         x,
         {"shape": list(x.shape), "dtype": "x", "numel": x.numel()},
         dead_threshold=5.0,
@@ -217,20 +218,6 @@ def test_final_stats_left_out_rows_and_what_goes_the_other_way():
         assert final_stats(other) == tensor_stats(other)
 
 
-def reference_hist(x: torch.Tensor) -> list[int]:
-    """Counts per bin of signed, log-spaced edges, two a decade from 1e-6 to 1e4, by comparison."""
-    values = x.double().reshape(-1)
-    values = values[~values.isnan()]
-    magnitudes = [10.0 ** (k / 2) for k in range(-12, 9)]
-    edges = [-m for m in reversed(magnitudes)] + magnitudes
-    lows, highs = [-math.inf, *edges], [*edges, math.inf]
-    counts = [
-        int(((values >= lo) & (values < hi)).sum()) for lo, hi in zip(lows, highs, strict=True)
-    ]
-    counts[-1] += int((values == math.inf).sum())
-    return counts
-
-
 def _hist_cases() -> list[torch.Tensor]:
     torch.manual_seed(0)
     spread = torch.randn(4, 8, 16) * torch.logspace(-8, 5, 16)  # every bin, zero to beyond 1e4
@@ -249,7 +236,7 @@ def test_histogram_counts_every_finite_value_in_its_bin_on_every_path(case):
     assert stats_module.batch_stats([torch.ones(2), x], hist=True)[1].hist == expected
     assert stats_module.final_stats(x, hist=True).hist == expected
     base = {"shape": list(x.shape), "dtype": "x", "numel": x.numel()}
-    device_path = stats_module._device_stats(
+    device_path = stats_module.device.device_stats(
         x, base, dead_threshold=0.0, row_mask=None, count_zeros=False, hist=True
     )
     assert device_path.result().hist == expected
@@ -298,7 +285,7 @@ def test_one_pass_blocks_match_an_independent_float64_reference(
     """The CPU path reads a tensor a block at a time (here 500 elements: rows of 2,100 and 5,000
     come in pieces, narrow rows many to a block) and combines the blocks; every field must equal
     float64 numpy's over the whole tensor (moments within float32 rounding, the rest exactly)."""
-    monkeypatch.setattr(stats_module, "BLOCK", 500)
+    monkeypatch.setattr(stats_module.blocks, "BLOCK", 500)
     gen = torch.Generator().manual_seed(sum(shape))
     # a mean far from zero (the centring must hold) and one near it (sum(x^2) - n mean^2)
     x = torch.randn(shape, generator=gen) * 4.0 + offset
@@ -431,7 +418,7 @@ def test_square_sum_has_the_bits_of_squares_written_out_and_summed(dtype):
     did not change with it; sizes with and without a remainder, and below einsum's threshold."""
     import numpy as np
 
-    from modeltap.stats import _square_sum, _sum
+    from modeltap.stats.blocks import _square_sum, _sum
 
     rng = np.random.default_rng(3)
     for n in (31, 32, 33, 511, 512, 513, 4097, 1 << 17, 768 * 170 + 5):
@@ -605,7 +592,7 @@ def test_device_statistics_finish_from_numbers_the_writer_copied():
     x[2, 5] = 0.0
     base = {"shape": [6, 40], "dtype": "float32", "numel": 240}
     options = {"dead_threshold": 0.0, "row_mask": None, "count_zeros": True, "hist": False}
-    pending = stats_module._device_stats(x, base, **options)
+    pending = stats_module.device.device_stats(x, base, **options)
     numbers = pending.numbers.tolist()
     pending.numbers = None  # as the writer does once its non-blocking copy is queued
     got = pending.result(numbers)
