@@ -84,7 +84,7 @@ def timed(f: Callable[[], object]) -> float:
 def compile_figures(model, batch, reps: int, backend: str, folder: Path) -> dict[str, float]:
     import torch
 
-    from modeltap.capture.compile import CompiledCapture, record_run
+    from modeltap.capture.compile_log import CompiledCapture, record_run
     from modeltap.capture.compile_stats import (
         StatsCapture,
         aliased_modules,

@@ -532,3 +532,71 @@ def test_compiled_stats_only_falls_back_when_the_statistics_do_not_compile(
         "after the forward: the hooks with statistics did not compile"
     )
     assert details["graphs"] == 1 and set(json.loads(meta["stats"])) == {"fc", "act", "out"}
+
+
+def test_compile_modules_import_one_way() -> None:
+    """compile.py (the backend) imports compile_log and compile_stats; neither imports it back,
+    at module level or inside a function (they did: compile_stats <-> compile)."""
+    import ast
+    import importlib
+
+    for name in ("compile_log", "compile_stats", "order", "recorder"):
+        module = importlib.import_module(f"modeltap.capture.{name}")
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert "modeltap.capture.compile" not in imported, name
+
+
+class _DeclaredSink:
+    """A sink that wraps no DumpWriter but declares what a dump's sink offers (DumpSink)."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.finals: list[bool] = []
+        self.asked = 0
+
+    def tensor(self, key: str, tensor: torch.Tensor, *, final: bool = False) -> None:
+        self.tensors[key] = tensor.detach().clone()
+        self.finals.append(final)
+
+    def alias(self, key: str, target: str) -> None:
+        pass
+
+    def computed(self, key: str, stats, device=None) -> None:  # noqa: ANN001
+        raise AssertionError("no statistics were asked for")
+
+    def graph_stats_options(self) -> dict | None:
+        self.asked += 1
+        return None
+
+
+def test_compile_backend_asks_the_sink_protocol_not_what_it_wraps() -> None:
+    """The compile backend hands a finished forward's tensors over as `final` to any sink that
+    declares `DumpSink`'s methods (it once asked whether `sink.writer` was a DumpWriter), and asks
+    it whether the statistics can come from the graph; the values are the forward hooks'."""
+    from modeltap.capture.compile import CompileBackend
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    x = torch.randn(2, 4)
+    plain: dict[str, torch.Tensor] = {}
+    handles = [
+        module.register_forward_hook(
+            lambda m, a, out, name=name: plain.__setitem__(name, out.detach().clone())
+        )
+        for name, module in model.named_children()
+    ]
+    with torch.no_grad():
+        model(x)
+    for handle in handles:
+        handle.remove()
+    sink = _DeclaredSink()
+    names = [name for name, _ in model.named_children()]
+    CompileBackend("eager").run(
+        model, names, sink, (x,), {}, inputs=False, train_mode=False, seed=0
+    )
+    assert sink.asked == 1
+    assert sink.finals and all(sink.finals)
+    assert set(sink.tensors) == set(plain)
+    for name, value in plain.items():
+        torch.testing.assert_close(sink.tensors[name], value)

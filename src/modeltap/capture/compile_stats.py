@@ -34,13 +34,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from modeltap.capture.compile import (
+from modeltap.capture.compile_log import (
     CompiledCapture,
     CompileInfo,
     record_log,
-    renumber_like_eager,
     seeded_run,
 )
+from modeltap.capture.order import renumber_like_eager
 from modeltap.capture.recorder import MemorySink, Recorder
 from modeltap.errors import RunError
 from modeltap.selection import ROOT

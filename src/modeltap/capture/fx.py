@@ -83,7 +83,7 @@ def _calls(gm: Any) -> list[_Call]:
 
 def _mutated(gm: Any) -> set[Any]:
     """Nodes whose value a later in-place op changes (`x += 1`, `ReLU(inplace=True)`)."""
-    from modeltap.capture.compile import _INPLACE_OPERATORS
+    from modeltap.capture.compile_log import _INPLACE_OPERATORS
 
     changed: set[Any] = set()
     for node in gm.graph.nodes:

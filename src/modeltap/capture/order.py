@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from modeltap.capture.compile_log import CompiledCapture
+
 Leaves = list["torch.Tensor"]
 
 
@@ -111,3 +113,54 @@ def _distance(a: Leaves, b: Leaves) -> float:
             x, y = x.detach().double().cpu(), y.double().cpu()
             worst = max(worst, float((x - y).abs().max() / (y.abs().max() + 1e-12)))
     return float("inf") if math.isnan(worst) else worst
+
+
+def renumber_like_eager(
+    cap: CompiledCapture,
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    train_mode: bool,
+    seed: int | None,
+    stats: bool = False,
+) -> list[str]:
+    """Give each repeated call in `cap.log` the number it has in the eager forward, where the
+    compiled run made the calls in another order (see capture/order.py); returns the modules
+    renumbered. `stats`: the log holds `graph_stats` vectors (a `StatsCapture`'s), matched with
+    the eager calls' by mean, min and max, which are on the values' own scale, each with the
+    nearest (`matching`'s `nearest`: ModernBERT's two rotary tables differ by 0.04 in mean)."""
+    from modeltap.stats import graph_stats
+
+    outputs: dict[str, list[int]] = {}
+    inputs: dict[str, list[int]] = {}
+    for i, (name, _, is_input) in enumerate(cap.log):
+        (inputs if is_input else outputs).setdefault(name, []).append(i)
+    repeated = [name for name, at in outputs.items() if len(at) > 1]
+    if not repeated:
+        return []
+    eager = eager_calls(model, repeated, args, kwargs, train_mode=train_mode, seed=seed)
+    renumbered = []
+    for name in repeated:
+        at = outputs[name]
+        # with copying hooks, a value is (what the module returned, its copy as it returned)
+        got = [tensor_leaves(cap.log[i][1][1] if cap.copy_outputs else cap.log[i][1]) for i in at]
+        want = eager[name]
+        if stats:
+            got = [[_extremes(v) for v in leaves] for leaves in got]
+            want = [[_extremes(graph_stats(t)) for t in leaves] for leaves in want]
+        numbers = matching(got, want, nearest=stats)
+        if numbers is None or numbers == sorted(numbers):
+            continue
+        for entries in (at, inputs.get(name, [])):
+            if len(entries) == len(at):  # the k-th call's inputs go with its output
+                logged = [cap.log[i] for i in entries]
+                for entry, number in zip(logged, numbers, strict=True):
+                    cap.log[entries[number]] = entry
+        renumbered.append(name)
+    return renumbered
+
+
+def _extremes(vector: Any) -> Any:
+    """Mean, min and max of a `graph_stats` vector (an empty tensor's is empty)."""
+    return vector[[0, 2, 3]] if vector.numel() else vector

@@ -11,18 +11,37 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from modeltap.capture.keys import INPUT_PART, _join, flatten, make_key
 
 if TYPE_CHECKING:
     import torch
 
+    from modeltap.stats import TensorStats
+
 
 class Sink(Protocol):
     def tensor(self, key: str, tensor: torch.Tensor) -> None: ...
 
     def alias(self, key: str, target: str) -> None: ...
+
+
+@runtime_checkable
+class DumpSink(Sink, Protocol):
+    """A sink that writes a dump (`dump.DumpWriter`, and the dump verb's device log in front of
+    one): what the compile backend asks of it besides `Sink`'s two methods."""
+
+    def tensor(self, key: str, tensor: torch.Tensor, *, final: bool = False) -> None:
+        """`final`: nothing will change `tensor` any more (a finished forward logged it), so it is
+        read where it is, not copied first."""
+
+    def computed(self, key: str, stats: TensorStats, device: Any = None) -> None:
+        """Statistics of a tensor computed elsewhere (in a compiled graph)."""
+
+    def graph_stats_options(self) -> dict[str, Any] | None:
+        """What a compiled graph needs to compute this dump's statistics itself, or None when
+        they need the tensors."""
 
 
 @dataclass
