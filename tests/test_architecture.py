@@ -32,3 +32,60 @@ def test_no_test_module_or_script_imports_a_test_module() -> None:
             if name.lstrip(".").split(".")[-1].startswith("test_") or ".test_" in name:
                 offenders.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
     assert not offenders, "\n".join(offenders)
+
+
+SRC = ROOT / "src"
+
+
+def _lazy_facades() -> list[str]:
+    """Every package whose `__init__` has a table of homes for its lazy names."""
+    found = []
+    for path in sorted((SRC / "modeltap").rglob("__init__.py")):
+        names = {
+            target.id
+            for node in ast.parse(path.read_text()).body
+            if isinstance(node, ast.Assign)
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
+        if names & {"_HOMES", "_EXPORTS"}:
+            found.append(".".join(path.parent.relative_to(SRC).parts))
+    return found
+
+
+def _type_checking_imports(path: Path) -> dict[str, str]:
+    """name -> module of each import under the facade's `if TYPE_CHECKING:`."""
+    found: dict[str, str] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for stmt in node.body:
+                assert isinstance(stmt, ast.ImportFrom), ast.unparse(stmt)
+                found.update({alias.asname or alias.name: stmt.module for alias in stmt.names})
+    return found
+
+
+def test_each_lazy_facade_declares_its_names_once() -> None:
+    """A lazy facade's names are declared once, in its table of homes (`_HOMES`, name -> the
+    submodule; the top level's `_EXPORTS`, name -> the module): `__all__` is made from it, and the
+    imports type checkers read under TYPE_CHECKING name the same names from the same modules."""
+    import importlib
+
+    facades = _lazy_facades()
+    assert {"modeltap", "modeltap.capture", "modeltap.loading", "modeltap.record"} <= set(facades)
+    for package in facades:
+        module = importlib.import_module(package)
+        if package == "modeltap":
+            homes = dict(module._EXPORTS)
+        else:
+            homes = {name: f"{package}.{home}" for name, home in module._HOMES.items()}
+        path = Path(module.__file__)
+        assert _type_checking_imports(path) == homes, package
+        # __all__ is the table's names and the facade's own (its verbs, the version)
+        tree = ast.parse(path.read_text())
+        own = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)}
+        own |= {"__version__", "diff"} if package == "modeltap" else set()
+        public = {name for name in own if not name.startswith("_") or name == "__version__"}
+        assert set(module.__all__) == set(homes) | public, package
+        assert list(module.__all__) == sorted(module.__all__), package
+        for name in module.__all__:
+            assert getattr(module, name) is not None, (package, name)

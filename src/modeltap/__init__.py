@@ -65,34 +65,13 @@ _EXPORTS = {
     "export": "modeltap.exporting",
 }
 
-__all__ = [
-    "Captured",
-    "Dump",
-    "DumpWriter",
-    "Inputs",
-    "ModeltapError",
-    "Selection",
-    "TensorStats",
-    "__version__",
-    "capture",
-    "diff",
-    "dump_model",
-    "export",
-    "file_inputs",
-    "generate_model",
-    "hooks",
-    "inputs_from",
-    "load_dump",
-    "load_model",
-    "record",
-    "select_modules",
-    "step_view",
-    "tensor_stats",
-    "text_inputs",
-]
+# _EXPORTS declares the lazy names; the imports under TYPE_CHECKING repeat them for type checkers
+# (tests/test_architecture.py checks that they match).
+__all__ = sorted([*_EXPORTS, "__version__", "capture", "diff", "record"])
 
 if TYPE_CHECKING:
     from modeltap.capture import Captured, hooks
+    from modeltap.compare import compare_models
     from modeltap.dump import Dump, DumpWriter, load_dump
     from modeltap.errors import ModeltapError
     from modeltap.exporting import export
