@@ -10,7 +10,7 @@ import typer
 
 from modeltap.cli.app import app, handle_errors, refuse, stderr, stdout, write_atomically
 from modeltap.cli.inputs import command_name, offered_flags, sorted_inputs
-from modeltap.cli.options import SELECT, Given, command
+from modeltap.cli.options import LOAD, SELECT, Given, command
 from modeltap.cli.printing import note, write_html
 from modeltap.config import Settings
 from modeltap.config.settings import CliOption
@@ -48,11 +48,7 @@ REST = CliOption(
     "junit",
     "html",
     "show_all",
-    "revision",
-    "model_class",
-    "tokenizer",
-    "trust_remote_code",
-    "allow_missing_weights",
+    *LOAD,
     "dtype",
     "device",
     "seed",

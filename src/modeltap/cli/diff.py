@@ -9,7 +9,7 @@ from typing import Any
 import typer
 
 from modeltap.cli.app import app, given, handle_errors, refuse, stdout, write_atomically
-from modeltap.cli.options import Given, command
+from modeltap.cli.options import DIFF, Given, command
 from modeltap.config import Settings
 from modeltap.config.settings import CliOption
 from modeltap.diff.from_settings import diff_report, diff_tolerances
@@ -37,15 +37,7 @@ B = CliOption(
     "diff",
     ("a", A),
     ("b", B),
-    "atol",
-    "rtol",
-    "preset",
-    "map",
-    "include",
-    "exclude",
-    "equal_nan",
-    "upcast",
-    "strict",
+    *DIFF,
     "show_all",
     "json_out",
     "junit",

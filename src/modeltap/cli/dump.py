@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from modeltap.cli.app import app, handle_errors, refuse
 from modeltap.cli.capturing import run_dump
 from modeltap.cli.checks import refuse_unused
-from modeltap.cli.options import COMPILE, HUB, INPUT, PLACEMENT, RUN, SELECT, Given, command
+from modeltap.cli.options import COMPILE, INPUT, LOAD, PLACEMENT, RUN, SELECT, Given, command
 
 if TYPE_CHECKING:
     from modeltap.config import Settings
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     "stats_only",
     "hist",
     "json_out",
-    *HUB,
-    "allow_missing_weights",
+    *LOAD,
+    "max_length",
     *RUN,
     "dead_threshold",
     "grads",

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from modeltap.cli.app import app, handle_errors, refuse, stderr
 from modeltap.cli.inputs import command_name, offered_flags
-from modeltap.cli.options import Given, command
+from modeltap.cli.options import LOAD, Given, command
 from modeltap.cli.printing import note
 from modeltap.errors import InputError
 
@@ -25,11 +25,7 @@ if TYPE_CHECKING:
     "input_file",
     "out",
     "dynamic",
-    "revision",
-    "model_class",
-    "tokenizer",
-    "trust_remote_code",
-    "allow_missing_weights",
+    *LOAD,
     "config",
 )
 def export(s: Settings, given: Given) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from modeltap.cli.app import app, handle_errors, stderr
 from modeltap.cli.inputs import offered_flags
-from modeltap.cli.options import PLACEMENT, SELECT, Given, command
+from modeltap.cli.options import LOAD, PLACEMENT, SELECT, Given, command
 from modeltap.cli.printing import note, print_generation
 from modeltap.config import Settings
 from modeltap.errors import InputError
@@ -34,11 +34,7 @@ from modeltap.errors import InputError
     "stats_only",
     "kv",
     "json_out",
-    "revision",
-    "model_class",
-    "tokenizer",
-    "trust_remote_code",
-    "allow_missing_weights",
+    *LOAD,
     "dtype",
     "device",
     *PLACEMENT,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from modeltap.cli.app import app, handle_errors, refuse
 from modeltap.cli.capturing import run_dump
 from modeltap.cli.checks import refuse_unused
-from modeltap.cli.options import HUB, INPUT, PLACEMENT, RUN, SELECT, Given, command
+from modeltap.cli.options import INPUT, LOAD, PLACEMENT, RUN, SELECT, Given, command
 
 if TYPE_CHECKING:
     from modeltap.config import Settings
@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     "out",
     "stats_only",
     "json_out",
-    *HUB,
-    "allow_missing_weights",
+    *LOAD,
+    "max_length",
     *RUN,
     *PLACEMENT,
     "config",

@@ -183,10 +183,11 @@ MEDIA = ("text", "images", "audio", "text_opt", "images_dir", "audio_dir", "limi
 # Groups of parameters that commands take together, in `--help` order.
 INPUT = (*MEDIA, "processor", "chat", "input_file")
 SELECT = ("depth", "include", "exclude")
-HUB = ("revision", "model_class", "tokenizer", "max_length", "trust_remote_code")
+LOAD = ("revision", "model_class", "tokenizer", "trust_remote_code", "allow_missing_weights")
 RUN = ("dtype", "device", "seed", "train_mode")
 PLACEMENT = ("device_map", "max_memory", "offload_folder")
 COMPILE = ("compile", "compile_backend", "fullgraph")
+DIFF = ("atol", "rtol", "preset", "map", "include", "exclude", "equal_nan", "upcast", "strict")
 
 
 class Given(dict[str, Any]):

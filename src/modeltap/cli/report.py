@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from modeltap.cli.app import app, handle_errors
-from modeltap.cli.options import as_settings, command
+from modeltap.cli.options import DIFF, as_settings, command
 from modeltap.cli.printing import write_html
 from modeltap.config.settings import CliOption
 from modeltap.errors import InputError
@@ -28,15 +28,7 @@ INPUTS = CliOption(
     "report",
     ("inputs", INPUTS),
     "out",
-    "atol",
-    "rtol",
-    "preset",
-    "map",
-    "include",
-    "exclude",
-    "equal_nan",
-    "upcast",
-    "strict",
+    *DIFF,
     "config",
     settings=False,  # read only for a diff page, as `modeltap diff` reads them
 )
