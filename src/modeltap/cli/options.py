@@ -162,12 +162,14 @@ def _value_type(name: str, declared: CliOption) -> Any:
     return leaf | None
 
 
-def _annotated(kind: Any, d: CliOption) -> Any:
+def _annotated(name: str, kind: Any, d: CliOption) -> Any:
     if d.argument:
         info = typer.Argument(help=d.help, metavar=d.metavar, show_default=d.show_default)
         return Annotated[kind, info]
+    # Named even when the declaration gives no flags: typer before 0.29 upper-cases the flag it
+    # derives for an option with a metavar (`--DEVICE`).
     info = typer.Option(
-        *d.flags,
+        *(d.flags or ("--" + name.replace("_", "-"),)),
         help=d.help,
         rich_help_panel=d.panel,
         metavar=d.metavar,
@@ -227,7 +229,7 @@ def command(
                 inspect.Parameter(
                     d.param or pname,
                     inspect.Parameter.KEYWORD_ONLY,
-                    annotation=_annotated(kind, d),
+                    annotation=_annotated(d.param or pname, kind, d),
                     default=default,
                 )
                 for pname, d, kind, default in declared
