@@ -1,5 +1,6 @@
 """The option declarations against what commands show (`--help`) and what the README says."""
 
+import inspect
 import re
 from pathlib import Path
 
@@ -100,3 +101,23 @@ def test_each_option_is_declared_once():
     assert {f: o for f, o in owners.items() if len(o) > 1} == {}
     commands = {f for name in COMMANDS for f in _flags(name) if f.startswith("--")}
     assert commands - {"--help"} <= set(owners)
+
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_option_names_its_flags(name):
+    """typer before 0.29 upper-cases a flag it derives itself (`--DEVICE`): each option built
+    hands typer its flag names, none is left to typer to derive."""
+    from typing import get_args
+
+    get_command(app).get_command(None, name)  # imports the command's module, registering it
+    (callback,) = [
+        c.callback for c in app.registered_commands if (c.name or c.callback.__name__) == name
+    ] or [c.callback for c in app.registered_commands if c.callback.__name__.startswith(name)]
+    for parameter in inspect.signature(callback).parameters.values():
+        info = get_args(parameter.annotation)[1]
+        if type(info).__name__ == "OptionInfo":
+            # inside Annotated, typer reads the first flag from `default`
+            decls = [d for d in (info.default, *info.param_decls) if isinstance(d, str)]
+            assert any(d.startswith("--") for d in decls), parameter.name
+            assert all(f == f.lower() for f in decls if f.startswith("--")), parameter.name
