@@ -80,12 +80,15 @@ def test_each_lazy_facade_declares_its_names_once() -> None:
             homes = {name: f"{package}.{home}" for name, home in module._HOMES.items()}
         path = Path(module.__file__)
         assert _type_checking_imports(path) == homes, package
-        # __all__ is the table's names and the facade's own (its verbs, the version)
+        # __all__ is the table's names and the facade's own: its verbs, the version, and the
+        # subpackages that are verbs themselves (modeltap.diff)
         tree = ast.parse(path.read_text())
         own = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)}
-        own |= {"__version__", "diff"} if package == "modeltap" else set()
+        own |= {p.name for p in path.parent.iterdir() if p.is_dir()}
+        own |= {"__version__"} if package == "modeltap" else set()
         public = {name for name in own if not name.startswith("_") or name == "__version__"}
-        assert set(module.__all__) == set(homes) | public, package
+        assert set(homes) <= set(module.__all__) <= set(homes) | public, package
+        assert {n for n in public if not (path.parent / n).is_dir()} <= set(module.__all__)
         assert list(module.__all__) == sorted(module.__all__), package
         for name in module.__all__:
             assert getattr(module, name) is not None, (package, name)
