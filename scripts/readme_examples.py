@@ -1,19 +1,25 @@
-"""Regenerate (or check) the example outputs in README.md by running their commands.
+"""Regenerate (or check) the example outputs in README.md and every page of docs/ by running them.
 
-Every fenced block in README.md whose lines start with `$ modeltap ...` is an example: each command
-runs (in-process, 80 columns, in one scratch folder shared by all blocks, with the checkout's
+Every fenced block of a page whose lines start with `$ modeltap ...` is an example: each command
+runs (in-process, 80 columns, in a scratch folder shared by the page's blocks, with the checkout's
 `models/` linked in) and the lines after it, up to the next `$` line, are its output (stdout, then
-stderr). `$ echo $?` prints the previous command's exit code. A line `...` in the README elides
-output: there, the README's lines are kept and only their numbers are refreshed, each from the
-generated line with the same words. A block that also runs something else (`$ ls`, a pipe, a
-command that needs a training run first) is left as written.
+stderr). `$ echo $?` prints the previous command's exit code and `$ ls ARGS` lists files as `ls`
+does. A line `...` elides output: there, the page's lines are kept and only their numbers are
+refreshed, each from the generated line with the same words. A block that also runs something
+else (a pipe, a program that is not on this machine) is left as written. A ```python block runs
+too (in the same folder, in page order, its own globals), and fails the check when it raises;
+one that cannot run alone (it needs your dataset or a framework's launcher) says so in the line
+before its fence: `<!-- example: fragment -->`.
 
-    python scripts/readme_examples.py           # rewrite README.md
-    python scripts/readme_examples.py --check   # exit 1 if an example's output is out of date
+    python scripts/readme_examples.py                   # rewrite README.md and docs/**/*.md
+    python scripts/readme_examples.py --check           # exit 1 if an example is out of date
+    python scripts/readme_examples.py --check docs/commands/diff.md   # those pages only
 
 The check compares words exactly and numbers to their shown precision (5e-3 relative), so it does
-not fail on another CPU's float rounding. A block whose numbers come from rounding itself says so
-in an HTML comment on the line before its fence (invisible on the rendered page):
+not fail on another CPU's float rounding, and each line's words and shape, so a renamed option
+(the command fails) or a printed line that changed shape fails it. A block whose numbers come
+from rounding itself says so in an HTML comment on the line before its fence (invisible on the
+rendered page):
 
     <!-- example: rel=0.05 -->  numbers within 5% (statistics of a bfloat16 run)
     <!-- example: rounding -->  numbers that measure rounding itself (an eager/compiled or
@@ -24,9 +30,12 @@ in an HTML comment on the line before its fence (invisible on the rendered page)
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import shlex
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -39,14 +48,18 @@ sys.path.insert(0, str(ROOT))
 from tests.fixtures.golden import number, same_line  # noqa: E402
 
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 FENCE = "```"
 ELIDED = "..."
+FRAGMENT = "<!-- example: fragment -->"
 
 
 # A dotted module name (encoder.layer.3.output.dense, embeddings.LayerNorm), as a word of a line.
 _MODULE = re.compile(r"^[(]?[A-Za-z_][\w]*(\.[\w]+)+[,):]*$")
 # The marker before a block's fence: `<!-- example: rel=0.05 -->` or `<!-- example: rounding -->`.
-_MARKER = re.compile(r"^<!-- example: (rel=(?P<rel>[0-9.e-]+)|(?P<rounding>rounding)) -->$")
+_MARKER = re.compile(
+    r"^<!-- example: (rel=(?P<rel>[0-9.e-]+)|(?P<rounding>rounding)|(?P<fragment>fragment)) -->$"
+)
 
 
 @dataclass(frozen=True)
@@ -72,7 +85,7 @@ class Rule:
 
 def _rule(marker: str) -> Rule:
     match = _MARKER.match(marker.strip())
-    if match is None:
+    if match is None or match["fragment"]:
         return Rule()
     if match["rounding"]:
         return Rule(rounding=True)
@@ -128,41 +141,8 @@ def _picture(seed: int, width: int, height: int) -> Any:
 
 # Folders and files some examples name, made in the scratch folder the first time a command
 # mentions them.
-FIXTURES = {
-    "./minilm-fault": _faulted_minilm,
-    "runs/exp3": _tripped_run,
-    "runs/base": _runs_apart,
-    "runs/fault": _runs_apart,
-    "./tiny-vit": _tiny_vit,
-    "cat.png": _picture(1, 64, 48),
-    "dog.jpg": _picture(2, 40, 60),
-}
-
-
-def run(command: str, cwd: Path) -> tuple[list[str], int]:
-    """Run one `modeltap ...` command in-process; (output lines, exit code)."""
-    from typer.testing import CliRunner
-
-    from modeltap.cli import app
-
-    args = shlex.split(command, comments=True)[1:]
-    for name, build in FIXTURES.items():
-        if name in args and not (cwd / name).exists():
-            build(cwd / name)
-    old = Path.cwd()
-    os.chdir(cwd)
-    try:
-        result = CliRunner().invoke(app, args, env={"COLUMNS": "80"}, terminal_width=80)
-    finally:
-        os.chdir(old)
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise RuntimeError(f"`{command}` raised {result.exception!r}")
-    text = result.stdout + result.stderr
-    return [line.rstrip() for line in text.splitlines()], result.exit_code
-
-
 def _commands(block: list[str]) -> list[tuple[str, list[str]]]:
-    """(command, README output lines) pairs of one block, continuations joined."""
+    """(command, page's output lines) pairs of one block, continuations joined."""
     pairs: list[tuple[str, list[str]]] = []
     lines = iter(block)
     for line in lines:
@@ -179,7 +159,7 @@ def _commands(block: list[str]) -> list[tuple[str, list[str]]]:
 def _merge(
     readme: list[str], generated: list[str], rule: Rule = Rule()
 ) -> tuple[list[str], list[str]]:
-    """The new output lines for one command, and the README lines that no longer match (each
+    """The new output lines for one command, and the page's lines that no longer match (each
     with the line it was matched against)."""
     if ELIDED not in [line.strip() for line in readme]:
         if len(readme) != len(generated):
@@ -205,7 +185,112 @@ def _merge(
     return out, stale
 
 
+def _tiny_gpt2(folder: Path) -> None:
+    """`./tiny-gpt2` of the generation examples: the tests' tiny GPT-2, built from a config."""
+    from tests.fixtures.hf import build_gpt2
+
+    build_gpt2(folder)
+
+
+# Folders and files some examples name, made in the scratch folder the first time a command
+# mentions them.
+FIXTURES = {
+    "./minilm-fault": _faulted_minilm,
+    "runs/exp3": _tripped_run,
+    "runs/base": _runs_apart,
+    "runs/fault": _runs_apart,
+    "./tiny-vit": _tiny_vit,
+    "./tiny-gpt2": _tiny_gpt2,
+    "cat.png": _picture(1, 64, 48),
+    "dog.jpg": _picture(2, 40, 60),
+}
+
+
+def run(command: str, cwd: Path) -> tuple[list[str], int]:
+    """Run one `modeltap ...` command in-process, or `ls`; (output lines, exit code)."""
+    from typer.testing import CliRunner
+
+    from modeltap.cli import app
+
+    args = shlex.split(command, comments=True)
+    for name, build in FIXTURES.items():
+        if name in args and not (cwd / name).exists():
+            build(cwd / name)
+    if args[0] == "ls":
+        done = subprocess.run(
+            ["ls", "-C", "-w", "80", "-T", "0", *args[1:]],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "LC_ALL": "C"},
+        )
+        return (done.stdout + done.stderr).rstrip("\n").splitlines(), done.returncode
+    old = Path.cwd()
+    os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(app, args[1:], env={"COLUMNS": "80"}, terminal_width=80)
+    finally:
+        os.chdir(old)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise RuntimeError(f"`{command}` raised {result.exception!r}")
+    text = result.stdout + result.stderr
+    return [line.rstrip() for line in text.splitlines()], result.exit_code
+
+
+def run_python(code: str, cwd: Path) -> str | None:
+    """Run one ```python block in `cwd`, in globals of its own; the error it raised, if any."""
+    old = Path.cwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(code, "<example>", "exec"), {"__name__": "__example__"})
+    except Exception as exc:  # any error of the snippet is the finding
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        os.chdir(old)
+    return None
+
+
+def _runnable(commands: list[str]) -> bool:
+    """Whether every `$` line of a block is one this script runs: modeltap, `echo $?`, or `ls`
+    without a pattern for a shell to expand."""
+
+    def one(command: str) -> bool:
+        if command == "$ echo $?":
+            return True
+        if command.startswith("$ ls ") or command == "$ ls":
+            return not any(c in command for c in "*?[")
+        return command.startswith("$ modeltap ")
+
+    return bool(commands) and all(map(one, commands)) and "|" not in "".join(commands)
+
+
+def _run_block(block: list[str], scratch: Path, rule: Rule) -> tuple[list[str], list[str]]:
+    """A command block's lines with fresh output, and the lines that no longer match."""
+    out: list[str] = []
+    problems: list[str] = []
+    last_code = 0
+    raw = iter(block)
+    for command, shown in _commands(block):
+        head = next(raw)
+        out.append(head)
+        while head.endswith("\\"):
+            head = next(raw)
+            out.append(head)
+        for _ in shown:
+            next(raw)
+        if command.strip() == "echo $?":
+            generated = [str(last_code)]
+        else:
+            generated, last_code = run(command, scratch)
+        new, stale = _merge(shown, generated, rule)
+        out.extend(new)
+        problems += [f"`{command}`: {s}" for s in stale]
+    return out, problems
+
+
 def regenerate(text: str, scratch: Path) -> tuple[str, list[str]]:
+    """A page with its examples' output refreshed, and what no longer matched."""
     lines = text.splitlines()
     out: list[str] = []
     problems: list[str] = []
@@ -219,54 +304,52 @@ def regenerate(text: str, scratch: Path) -> tuple[str, list[str]]:
         end = lines.index(FENCE, i)
         block = lines[i:end]
         i = end + 1
+        marker = out[-2] if len(out) > 1 else ""
+        if line.strip() == FENCE + "python" and marker.strip() != FRAGMENT:
+            error = run_python("\n".join(block) + "\n", scratch)
+            if error:
+                problems.append(f"the python block at line {i - len(block) - 1} raised {error}")
         commands = [b for b in block if b.startswith("$ ")]
-        runnable = all(c.startswith("$ modeltap ") or c == "$ echo $?" for c in commands)
-        if line.strip() != FENCE or not commands or not runnable or "|" in "".join(commands):
-            out.extend(block)
-            out.append(FENCE)
-            continue
-        rule = _rule(out[-2] if len(out) > 1 else "")
-        last_code = 0
-        raw = iter(block)
-        for command, readme_out in _commands(block):
-            head = next(raw)
-            out.append(head)
-            while head.endswith("\\"):
-                head = next(raw)
-                out.append(head)
-            for _ in readme_out:
-                next(raw)
-            if command.strip() == "echo $?":
-                generated = [str(last_code)]
-            elif command.startswith("modeltap "):
-                generated, last_code = run(command, scratch)
-            else:
-                raise ValueError(f"README example runs something other than modeltap: {command}")
-            new, stale = _merge(readme_out, generated, rule)
-            out.extend(new)
-            problems += [f"`{command}`: {s}" for s in stale]
+        if line.strip() == FENCE and _runnable(commands):
+            block, stale = _run_block(block, scratch, _rule(marker))
+            problems += stale
+        out.extend(block)
         out.append(FENCE)
     return "\n".join(out) + "\n", problems
 
 
-def main() -> int:
-    check = "--check" in sys.argv[1:]
+def pages() -> list[Path]:
+    """README.md and every page of the docs site."""
+    return [README, *sorted(DOCS.rglob("*.md"))]
+
+
+def check_page(page: Path) -> tuple[str, list[str]]:
+    """Run one page's examples in a scratch folder of its own: (the refreshed page, problems)."""
     with tempfile.TemporaryDirectory() as folder:
         scratch = Path(folder)
         (scratch / "models").symlink_to(ROOT / "models")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        new, problems = regenerate(README.read_text(), scratch)
-    if check:
-        for problem in problems:
-            print(f"out of date: {problem}", file=sys.stderr)
-        if problems:
-            print(
-                "README examples are out of date: run scripts/readme_examples.py", file=sys.stderr
-            )
-        return 1 if problems else 0
-    README.write_text(new)
-    print(f"README.md: {len(problems)} example lines refreshed", file=sys.stderr)
-    return 0
+        return regenerate(page.read_text(encoding="utf-8"), scratch)
+
+
+def main() -> int:
+    args = sys.argv[1:]
+    check = "--check" in args
+    chosen = [Path(a).resolve() for a in args if a != "--check"] or pages()
+    failed = 0
+    for page in chosen:
+        name = page.relative_to(ROOT)
+        new, problems = check_page(page)
+        if check:
+            for problem in problems:
+                print(f"{name}: out of date: {problem}", file=sys.stderr)
+            failed += bool(problems)
+        elif new != page.read_text(encoding="utf-8"):
+            page.write_text(new, encoding="utf-8")
+            print(f"{name}: {len(problems)} example lines refreshed", file=sys.stderr)
+    if failed:
+        print("examples are out of date: run scripts/readme_examples.py", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

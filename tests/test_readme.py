@@ -1,4 +1,5 @@
-"""The README's example outputs are what modeltap prints today (scripts/readme_examples.py)."""
+"""The examples of README.md and of every docs page print what modeltap prints today, and their
+Python snippets run (scripts/readme_examples.py)."""
 
 import subprocess
 import sys
@@ -7,13 +8,31 @@ import pytest
 
 from tests.conftest import ROOT
 
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def _have_minilm():
+    return (ROOT / "models" / "all-MiniLM-L6-v2" / "model.safetensors").is_file()
+
 
 @pytest.mark.slow
-def test_readme_examples_are_current():
-    if not (ROOT / "models" / "all-MiniLM-L6-v2" / "model.safetensors").is_file():
+@pytest.mark.parametrize("page", [p.relative_to(ROOT).as_posix() for p in PAGES])
+def test_examples_are_current(page, monkeypatch):
+    """Each page on its own, so the pages spread over the xdist workers."""
+    if not _have_minilm():
         pytest.skip("the real MiniLM is not unpacked; run scripts/setup.sh")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _, problems = _examples().check_page(ROOT / page)
+    assert not problems, "\n".join([*problems, "refresh with: scripts/readme_examples.py " + page])
+
+
+@pytest.mark.slow
+def test_the_check_runs_from_the_command_line():
+    if not _have_minilm():
+        pytest.skip("the real MiniLM is not unpacked; run scripts/setup.sh")
+    page = "docs/commands/ls.md"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "readme_examples.py"), "--check"],
+        [sys.executable, str(ROOT / "scripts" / "readme_examples.py"), "--check", page],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -75,7 +94,7 @@ def test_stale_lines_are_reported_with_what_is_printed_now():
 
 
 def test_readme_numbers_repeated_calls_as_the_recorder_does(tmp_path):
-    """The README says once how the k-th call of a module is keyed; a step of three forwards,
+    """The docs say how the k-th call of a module is keyed; a step of three forwards,
     recorded, keys them so (checked against the outputs plain hooks saw)."""
     import re
 
@@ -84,15 +103,15 @@ def test_readme_numbers_repeated_calls_as_the_recorder_does(tmp_path):
     import modeltap
     from modeltap.dump import load_dump
 
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    # Every "the first/second ... `x@k`" the README states, as (ordinal, k).
+    readme = "\n".join(p.read_text(encoding="utf-8") for p in PAGES)
+    # Every "the first/second ... `x@k`" the README and the docs state, as (ordinal, k).
     ordinals = {"first": 1, "second": 2, "third": 3}
     pattern = r"the (first|second|third)(?: forward's keys are| call is) `[\w.]+@(\d+)`"
     claims = re.findall(pattern, readme)
-    assert claims, "the README states the rule nowhere"
+    assert claims, "neither the README nor the docs state the rule"
     # "the (N+1)-th `module@N`": a k-th call is @(k-1), the first having no suffix.
     for var, plus, suffix in re.findall(r"the \(?(\w)(\+1)?\)?-th `[\w.]+@(\w)`", readme):
-        assert (var, plus) == (suffix, "+1"), f"the README keys a {var}-th call @{suffix}"
+        assert (var, plus) == (suffix, "+1"), f"a page keys a {var}-th call @{suffix}"
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh())
     seen = []
@@ -108,3 +127,48 @@ def test_readme_numbers_repeated_calls_as_the_recorder_does(tmp_path):
     for ordinal, k in claims:
         torch.testing.assert_close(dump[f"0@{k}"], seen[ordinals[ordinal] - 1], rtol=0, atol=0)
     torch.testing.assert_close(dump["0"], seen[0], rtol=0, atol=0)
+
+
+# The ls page's first example, as a page would show it (the tree's first two rows, then `...`).
+LS_PAGE = """
+```
+$ modeltap ls models/all-MiniLM-L6-v2 --depth 2
+module                       class               params
+__root__                     BertModel       22,713,216
+...
+```
+"""
+
+
+@pytest.mark.slow
+def test_the_check_fails_when_an_option_is_renamed_or_a_line_changes_shape(tmp_path):
+    """The examples check against a page that is right, then against the same page after an
+    option was renamed (as if `--depth` became `--max-depth` in the program) and after a
+    printed line changed shape (a column more): the first passes, both others fail."""
+    if not _have_minilm():
+        pytest.skip("the real MiniLM is not unpacked; run scripts/setup.sh")
+    examples = _examples()
+    (tmp_path / "models").symlink_to(ROOT / "models")
+    _, problems = examples.regenerate(LS_PAGE, tmp_path)
+    assert problems == []
+    renamed = LS_PAGE.replace("--depth 2", "--max-depth 2")
+    _, problems = examples.regenerate(renamed, tmp_path)
+    assert problems and "no longer printed" in problems[0], problems
+    reshaped = LS_PAGE.replace("BertModel       22,713,216", "BertModel  cpu  22,713,216")
+    _, problems = examples.regenerate(reshaped, tmp_path)
+    assert problems == [
+        "`modeltap ls models/all-MiniLM-L6-v2 --depth 2`: "
+        "'__root__                     BertModel  cpu  22,713,216' is no longer printed"
+    ]
+
+
+def test_python_snippets_run_and_fragments_are_left_alone(tmp_path):
+    examples = _examples()
+    page = "```python\nimport json\nopen('made.json', 'w').write(json.dumps(1))\n```\n"
+    assert examples.regenerate(page, tmp_path) == (page, [])
+    assert (tmp_path / "made.json").read_text() == "1"
+    broken = "text\n```python\nraise ValueError('no dataset')\n```\n"
+    _, problems = examples.regenerate(broken, tmp_path)
+    assert problems == ["the python block at line 2 raised ValueError: no dataset"]
+    fragment = "<!-- example: fragment -->\n" + broken.split("\n", 1)[1]
+    assert examples.regenerate(fragment, tmp_path) == (fragment, [])
