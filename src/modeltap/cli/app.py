@@ -101,6 +101,12 @@ class PanelCommand(TyperCommand):
             with formatter.section(heading):
                 formatter.write_dl(records)
 
+    def format_epilog(self, ctx: Any, formatter: Any) -> None:
+        """`--help` ends with the command's page of the docs site (docs/, `mkdocs build`)."""
+        super().format_epilog(ctx, formatter)
+        formatter.write_paragraph()
+        formatter.write_text(f"Docs: docs/commands/{ctx.info_name}.md")
+
     def help_sections(self, ctx: Any) -> dict[str, list[tuple[str, str]]]:
         """Each heading of `--help`, in order, with its (flags, help) rows."""
         sections: dict[str, list[tuple[str, str]]] = {}
@@ -226,6 +232,11 @@ class LazyGroup(TyperGroup):
                 return TyperCommand(name=cmd_name, help=COMMANDS[cmd_name][1])
             self.commands[cmd_name] = _load(cmd_name)
         return super().get_command(ctx, cmd_name)
+
+    def format_epilog(self, ctx: Any, formatter: Any) -> None:
+        super().format_epilog(ctx, formatter)
+        formatter.write_paragraph()
+        formatter.write_text("Docs: docs/index.md (a page per command: docs/commands/COMMAND.md)")
 
     def format_commands(self, ctx: Any, formatter: Any) -> None:
         self._listing = True

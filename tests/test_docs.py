@@ -1,0 +1,54 @@
+"""The documentation site: a page per command, reached from `--help`, its options table made from
+the declarations, and `mkdocs build --strict` clean (no broken link or reference)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from modeltap.cli import app
+from modeltap.cli.app import COMMANDS
+from modeltap.cli.options import option_table
+from tests.conftest import ROOT
+
+DOCS = ROOT / "docs"
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_help_ends_with_the_commands_page_which_tables_its_options(name):
+    help_text = CliRunner().invoke(app, [name, "--help"], env={"COLUMNS": "80"}).stdout
+    assert help_text.splitlines()[-1] == f"Docs: docs/commands/{name}.md"
+    page = (DOCS / "commands" / f"{name}.md").read_text(encoding="utf-8")
+    assert f"<!-- options: {name} -->" in page
+
+
+def test_help_names_the_docs_index():
+    help_text = CliRunner().invoke(app, ["--help"]).stdout
+    assert "Docs: docs/index.md" in help_text.splitlines()[-1]
+    assert (DOCS / "index.md").is_file()
+
+
+def test_the_hook_puts_the_declared_options_on_the_page():
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    page = "# modeltap ls\n\n<!-- options: ls -->\n\nmore\n"
+    made = hooks.on_page_markdown(page, page=None, config=None, files=None)
+    assert made == "# modeltap ls\n\n" + option_table("ls") + "\nmore\n"
+    assert "`--no-cache`" in made  # an option of ls alone
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("mkdocs") is None, reason="the docs extra is not installed"
+)
+def test_the_site_builds_strictly(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "site" / "commands" / "dump" / "index.html").is_file()
