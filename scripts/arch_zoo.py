@@ -14,7 +14,7 @@ Each family: a config with every size the config has set small (hidden 32, 2 lay
 `AutoModel.from_config`, seed 0, input_ids 2 x 7 (and decoder_input_ids for encoder-decoders).
 The reference is a plain forward hook on every module, written here: `name` for its first call,
 `name@k` for the k-th after it, `name:path` for the parts of a structured output, each cloned as
-its module returns. modeltap's `capture` (deferred hooks) and `run.dump_model` (the dump's hooks
+its module returns. modeltap's `capture` (deferred hooks) and `dumping.dump_model` (the dump's hooks
 and writer) must hold exactly those values under exactly those keys. `--compile` compares the
 compiled capture's repeated calls with the same reference (aot_eager: equal up to rounding).
 `--hash-seeds` runs the references in two processes (PYTHONHASHSEED 0 and 1) and lists the
@@ -229,8 +229,8 @@ def differences(want: dict[str, Any], got: dict[str, Any], *, atol: float = 0.0)
 
 def check(family: str, with_compile: bool, folder: Path) -> dict[str, Any]:
     from modeltap.capture import capture
+    from modeltap.dumping import dump_model
     from modeltap.loading import Inputs
-    from modeltap.run import dump_model
 
     model, kwargs = build(family)
     want, repeated = plain_hook_values(model, kwargs)

@@ -67,8 +67,8 @@ def speed(name: str, model, batch, reps: int, folder: Path) -> dict[str, float]:
 
     from modeltap import capture
     from modeltap.capture import hooks
+    from modeltap.dumping import dump_model
     from modeltap.loading import Inputs
-    from modeltap.run import dump_model
     from modeltap.selection import Selection, select_modules
 
     def bare():
@@ -127,8 +127,8 @@ def rss_child(mode: str, out: str) -> None:
     """In a fresh process: build bert-base, then one bare forward or one dump; print peak RSS."""
     import torch
 
+    from modeltap.dumping import dump_model
     from modeltap.loading import Inputs
-    from modeltap.run import dump_model
 
     model, batch = bert_base()
     reset_peak_rss()

@@ -49,8 +49,8 @@ def main() -> None:
 
     from modeltap.diff import diff_dumps
     from modeltap.dump import load_dump
+    from modeltap.dumping import dump_model
     from modeltap.loading import Inputs
-    from modeltap.run import dump_model
 
     with tempfile.TemporaryDirectory(dir=args.folder) as tmp:
         folder = Path(tmp)

@@ -35,9 +35,9 @@ def bare_step(model, batch) -> None:
 
 
 def ours(model, batch, out: Path, *, stats_only: bool = False) -> Path:
+    from modeltap.dumping import dump_model
     from modeltap.grads import GradSpec
     from modeltap.loading import Inputs
-    from modeltap.run import dump_model
 
     return dump_model(model, Inputs((), batch, {}), out, grads=GradSpec(), stats_only=stats_only)
 

@@ -35,7 +35,7 @@ if mode == "bare":
     size = 0
 else:
     from modeltap.loading import Inputs
-    from modeltap.run import dump_model
+    from modeltap.dumping import dump_model
     size = os.path.getsize(dump_model(model, Inputs((), {"input_ids": ids}, {}), out))
 import resource
 print(time.perf_counter() - start, size, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)

@@ -189,9 +189,9 @@ def plain_forward(model, batch):
 
 def ours(figure, model, batch, path):
     from modeltap import capture
+    from modeltap.dumping import dump_model
     from modeltap.grads import GradSpec
     from modeltap.loading import Inputs
-    from modeltap.run import dump_model
 
     inputs = Inputs((), batch, {"bench": True})
     if figure == "capture":
@@ -223,7 +223,7 @@ IMPORTS = (
     "modeltap.capture",
     "modeltap.grads",
     "modeltap.loading",
-    "modeltap.run",
+    "modeltap.dumping",
     "modeltap.stats",
     "modeltap.dump.writer",
 )
@@ -398,8 +398,8 @@ def startup(reps=5) -> dict[str, float]:
 
     compileall.compile_dir(str(ROOT / "src"), quiet=1)
 
+    from modeltap.dumping import dump_model
     from modeltap.loading import Inputs
-    from modeltap.run import dump_model
 
     with tempfile.TemporaryDirectory() as tmp:
         # ls's tree cache: emptied before each first ls, which the second then reads

@@ -64,9 +64,9 @@ def main() -> None:
     from transformers import BertConfig, BertModel
 
     from modeltap.dump import load_dump
+    from modeltap.dumping import dump_model
     from modeltap.loading import Inputs
     from modeltap.render.report import dump_page, render, run_page
-    from modeltap.run import dump_model
 
     with tempfile.TemporaryDirectory(dir=args.folder) as tmp:
         folder = Path(tmp)

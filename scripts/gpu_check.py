@@ -114,10 +114,10 @@ def child(side: str, folder: Path, device: str, tiny: bool, out: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from modeltap.dumping import dump_model
     from modeltap.generate import Decoding, StepPlan, generate_model
     from modeltap.grads import GradSpec
     from modeltap.loading import Inputs
-    from modeltap.run import dump_model
 
     size = shape(tiny)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map=device)

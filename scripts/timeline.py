@@ -61,8 +61,8 @@ def main() -> None:
     import torch
 
     from modeltap.dump import DEFAULT_MAX_INFLIGHT, timeline
+    from modeltap.dumping import dump_model
     from modeltap.loading import Inputs
-    from modeltap.run import dump_model
 
     model, batch = bert_base() if args.model == "bert-base" else minilm()
     model.requires_grad_(False)

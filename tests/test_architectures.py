@@ -37,10 +37,10 @@ from typer.testing import CliRunner
 
 from modeltap.capture import capture, flatten, split_key
 from modeltap.cli import app
+from modeltap.dumping import dump_model
 from modeltap.errors import RunError
 from modeltap.grads import GradSpec
 from modeltap.loading import Inputs, add_decoder_inputs
-from modeltap.run import dump_model
 from modeltap.selection import ROOT
 from tests.fixtures.architectures import BUILDERS
 

@@ -20,10 +20,10 @@ from modeltap.capture.export import ExportBackend, export_program, module_names,
 from modeltap.capture.fx import FxBackend
 from modeltap.capture.order import matching
 from modeltap.capture.torchscript import TorchScriptBackend, save_traced, script_skeleton
+from modeltap.dumping import dump_model
 from modeltap.loading import Inputs
 from modeltap.loading.archive import load_pt2, load_torchscript, torchscript_outputs
 from modeltap.record import record
-from modeltap.run import dump_model
 from tests.fixtures.backends import OTHER_GRAPH, read_dump
 from tests.fixtures.models import PerType, ReuseLinear, build_per_type
 

@@ -323,8 +323,8 @@ class _Twice(torch.nn.Module):
 
 def _library_dump(model, x, out: Path, **options) -> dict[str, str]:
     from modeltap.capture.compile import CompileBackend
+    from modeltap.dumping import dump_model
     from modeltap.loading.inputs import Inputs
-    from modeltap.run import dump_model
 
     inputs = Inputs((x,), {}, {"kind": "tensor"})
     backend = CompileBackend("aot_eager")
@@ -489,8 +489,8 @@ def test_compiled_stats_only_of_odd_outputs_equal_the_eager_dump(
     x = torch.randn(32, 6, generator=torch.Generator().manual_seed(1))
     compiled = _library_dump(model, x, tmp_path / "c.safetensors")
     assert json.loads(compiled["backend_details"])["statistics"] == statistics
+    from modeltap.dumping import dump_model
     from modeltap.loading.inputs import Inputs
-    from modeltap.run import dump_model
 
     dump_model(model, Inputs((x,), {}, {}), tmp_path / "e.safetensors", stats_only=True)
     with safe_open(str(tmp_path / "e.safetensors"), "pt") as f:
@@ -511,8 +511,8 @@ def test_compiled_stats_only_falls_back_when_the_statistics_do_not_compile(
     whose graph compiles: the dump is written and says why."""
     import modeltap.stats as stats_module
     from modeltap.capture.compile import CompileBackend
+    from modeltap.dumping import dump_model
     from modeltap.loading.inputs import Inputs
-    from modeltap.run import dump_model
 
     real = stats_module.graph_stats
 

@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 from modeltap.cli import app
 from modeltap.diff import Tolerance, apply_map, compare, diff_dumps, parse_map
+from modeltap.dumping import dump_model
 from modeltap.loading import Inputs
-from modeltap.run import dump_model
 from tests.fixtures.backends import OTHER_GRAPH
 
 runner = CliRunner()

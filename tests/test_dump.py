@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 
 from modeltap.capture import capture
 from modeltap.dump import DumpWriter, load_dump
+from modeltap.dumping import dump_model
 from modeltap.errors import DumpFormatError, InputError
 from modeltap.loading import Inputs
-from modeltap.run import dump_model
 from modeltap.stats import tensor_stats
 from tests.fixtures.models import InPlace, ReuseLinear, Wrapped
 
@@ -377,9 +377,10 @@ def test_back_pressure_holds_the_cap_with_a_slow_file(tmp_path, monkeypatch):
     import time
 
     import modeltap.dump.writer as dump_module
+    from modeltap.dump import pipeline
 
     monkeypatch.setattr(dump_module, "_THREAD_MIN_BYTES", 0)
-    real_write = dump_module._write_at
+    real_write = pipeline.write_at
     writes = []
 
     def slow_write(fd, tensor, position):
@@ -387,7 +388,7 @@ def test_back_pressure_holds_the_cap_with_a_slow_file(tmp_path, monkeypatch):
         writes.append(position)
         real_write(fd, tensor, position)
 
-    monkeypatch.setattr(dump_module, "_write_at", slow_write)
+    monkeypatch.setattr(pipeline, "write_at", slow_write)
     tensors = {f"t{i}": torch.full((64,), float(i)) for i in range(30)}  # 256 bytes each
     cap = 3 * 256
     with DumpWriter(tmp_path / "d.safetensors", max_inflight=cap) as writer:
@@ -407,13 +408,14 @@ def test_back_pressure_holds_the_cap_with_a_slow_file(tmp_path, monkeypatch):
 
 def test_writer_thread_failure_reaches_the_caller_and_leaves_no_file(tmp_path, monkeypatch):
     import modeltap.dump.writer as dump_module
+    from modeltap.dump import pipeline
 
     monkeypatch.setattr(dump_module, "_THREAD_MIN_BYTES", 0)
 
     def failing_write(fd, tensor, position):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(dump_module, "_write_at", failing_write)
+    monkeypatch.setattr(pipeline, "write_at", failing_write)
     with pytest.raises(OSError, match="No space left"):
         with DumpWriter(tmp_path / "d.safetensors", max_inflight=1 << 16) as writer:
             for i in range(20):
@@ -547,7 +549,10 @@ def test_timeline_has_one_ordered_record_per_tensor(tmp_path, monkeypatch):
     assert sorted(r["key"] for r in records) == sorted(writer.stats)
     routes = {r["key"]: r["stats"][2] for r in records}
     assert routes == {
-        "small": "deferred", "small2": "deferred", "threaded": "writer", "inline": "main"
+        "small": "deferred",
+        "small2": "deferred",
+        "threaded": "writer",
+        "inline": "main",
     }
     end = lines[-1]
     assert end["event"] == "end" and end["status"] == "done"
@@ -590,16 +595,17 @@ def test_next_pass_does_the_small_tensors_and_lets_an_idle_thread_go(tmp_path, m
     import threading
 
     import modeltap.dump.writer as dump_module
+    from modeltap.dump import pipeline
 
     monkeypatch.setattr(dump_module, "_THREAD_MIN_BYTES", 1024)
-    real_write = dump_module._write_at
+    real_write = pipeline.write_at
     gate = threading.Event()
 
     def held_write(fd, tensor, position):
         gate.wait(5)  # the disk is busy until the test lets it go
         real_write(fd, tensor, position)
 
-    monkeypatch.setattr(dump_module, "_write_at", held_write)
+    monkeypatch.setattr(pipeline, "write_at", held_write)
     g = torch.Generator().manual_seed(2)
     tensors = {
         "big": torch.randn(32, 32, generator=g),
@@ -621,3 +627,76 @@ def test_next_pass_does_the_small_tensors_and_lets_an_idle_thread_go(tmp_path, m
     loaded = load_file(path)
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
     assert writer.stats["big2"].norm == pytest.approx(float(tensors["big2"].double().norm()))
+
+
+def _hooked_outputs(model, names, run):
+    """Each named module's output in a forward `run()`, taken by plain forward hooks."""
+    seen = {}
+    modules = dict(model.named_modules())
+    handles = [
+        modules[name].register_forward_hook(
+            lambda m, a, out, name=name: seen.setdefault(
+                name, (out[0] if isinstance(out, tuple) else out).detach().clone()
+            )
+        )
+        for name in names
+    ]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def test_dump_verb_writes_what_forward_hooks_see(tmp_path):
+    """`modeltap.dump(model, inputs, path, ...)`: a tensor (positional), a dict (keywords); the
+    file holds each selected module's output as plain forward hooks see it, and the dump is a
+    verb of the facade and of the dump package alike."""
+    import modeltap
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    ).eval()
+    x = torch.randn(2, 4)
+    want = _hooked_outputs(model, ["0", "1", "1.1"], lambda: model(x))
+    path = modeltap.dump(model, x, tmp_path / "d.safetensors", depth=1)
+    on_disk = load_file(path)
+    assert set(on_disk) == {"0", "1"}
+    for key in ("0", "1"):
+        torch.testing.assert_close(on_disk[key], want[key], rtol=0, atol=0)
+    path = modeltap.dump(model, {"input": x}, tmp_path / "k.safetensors", include=["1.1"])
+    assert set(load_file(path)) == {"1.1"}
+    torch.testing.assert_close(load_file(path)["1.1"], want["1.1"], rtol=0, atol=0)
+    stats = load_dump(tmp_path / "k.safetensors").stats_for("1.1")
+    assert stats.norm == pytest.approx(float(want["1.1"].double().norm()), rel=1e-6)
+    import modeltap.dump as package
+
+    assert package is modeltap.dump and package.DumpWriter is DumpWriter
+
+
+def test_dump_verb_takes_text_with_a_tokenizer_or_what_the_tokenizer_returns(tmp_path, bert_dir):
+    from transformers import AutoModel, AutoTokenizer
+
+    import modeltap
+
+    model = AutoModel.from_pretrained(bert_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(bert_dir)
+    names = ["embeddings", "encoder.layer.0", "encoder.layer.1.attention.self.query", "pooler"]
+    encoded = tokenizer(["hello world", "a longer second text"], padding=True, return_tensors="pt")
+    want = _hooked_outputs(model, names, lambda: model(**encoded))
+    texts = ["hello world", "a longer second text"]
+    from_text = modeltap.dump(model, texts, tmp_path / "t.safetensors", tokenizer=tokenizer)
+    from_encoding = modeltap.dump(model, encoded, tmp_path / "e.safetensors", stats_only=True)
+    on_disk = load_dump(from_text)  # embeddings and each layer: aliases of their last LayerNorm
+    stats = load_dump(from_encoding)
+    for name in names:
+        torch.testing.assert_close(on_disk[name], want[name])
+        norm = float(want[name].double().norm())
+        assert stats.stats_for(name).norm == pytest.approx(norm, rel=1e-5)
+    assert load_file(from_encoding) == {}  # stats only
+    with pytest.raises(InputError, match="tokenizer"):
+        modeltap.dump(model, "hello", tmp_path / "n.safetensors")
+    assert not (tmp_path / "n.safetensors").exists()

@@ -191,7 +191,7 @@ def test_every_step_equals_a_plain_cached_forward(build, tok, tmp_path: Path) ->
 
 
 def test_prefill_keys_and_values_equal_a_one_forward_dump(tok, tmp_path: Path) -> None:  # noqa: ANN001
-    from modeltap.run import dump_model
+    from modeltap.dumping import dump_model
 
     model = tiny_gpt2()
     inputs = _prompt(tok)

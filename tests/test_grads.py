@@ -10,9 +10,9 @@ from typer.testing import CliRunner
 
 from modeltap.cli import app
 from modeltap.dump import load_dump
+from modeltap.dumping import dump_model
 from modeltap.grads import GradSpec
 from modeltap.loading import Inputs
-from modeltap.run import dump_model
 from modeltap.selection import Selection
 
 runner = CliRunner()

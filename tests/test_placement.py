@@ -231,8 +231,8 @@ def test_offloaded_dump_equals_plain_transformers_hidden_states(bert_dir, offloa
 def test_hooks_coexist_with_accelerates_and_come_off(bert_dir, tmp_path):
     from accelerate.hooks import AlignDevicesHook
 
+    from modeltap.dumping import dump_model
     from modeltap.loading import load_model, load_tokenizer, text_inputs
-    from modeltap.run import dump_model
 
     budget = {"cpu": param_bytes(bert_dir)}
     loaded = load_model(
@@ -444,9 +444,9 @@ def test_cuda_with_cpu_offload_records_both_devices(bert_dir, tmp_path):
 
 
 def test_grads_on_an_offloaded_model_leave_it_as_it_was(bert_dir, tmp_path):
+    from modeltap.dumping import dump_model
     from modeltap.grads import GradSpec
     from modeltap.loading import load_model, load_tokenizer, text_inputs
-    from modeltap.run import dump_model
 
     loaded = load_model(str(bert_dir), device_map="auto", max_memory={"cpu": 60000})
     model = loaded.model

@@ -7,9 +7,9 @@ from rich.console import Console
 from rich.text import Text
 
 from modeltap.dump import load_dump
+from modeltap.dumping import dump_model
 from modeltap.loading import Inputs
 from modeltap.render import dump_heading, dump_table, fmt
-from modeltap.run import dump_model
 from tests.fixtures.golden import same_render
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -88,8 +88,8 @@ def test_record_hist_stores_each_steps_histograms(tmp_path: Path) -> None:
 def _tiny_dump(path: Path, *, poison: bool) -> dict[str, torch.Tensor]:
     """A dump of Tiny (tests/fixtures/poison.py) with histograms (fc2 writing a NaN when
     `poison`), and every module's output as plain hooks saw it."""
+    from modeltap.dumping import dump_model
     from modeltap.loading import Inputs
-    from modeltap.run import dump_model
 
     torch.manual_seed(0)
     model = Tiny().eval()
@@ -176,8 +176,8 @@ def test_dump_page_tree_collapses_expands_and_filters(chromium, bert_dir: Path, 
 
 def _tiny_pair(tmp_path: Path) -> tuple[Path, Path]:
     """Dumps of Tiny and of Tiny with fc2's weights nudged: equal up to fc1/act, then not."""
+    from modeltap.dumping import dump_model
     from modeltap.loading import Inputs
-    from modeltap.run import dump_model
 
     paths = []
     for name, nudge in (("cand.safetensors", 1e-3), ("ref.safetensors", 0.0)):

@@ -45,7 +45,7 @@ def record(model: Any, out_dir: Any, **options: Any) -> Any:
 _EXPORTS = {
     "hooks": "modeltap.capture",
     "Captured": "modeltap.capture",
-    "dump_model": "modeltap.run",
+    "dump_model": "modeltap.dumping",
     "load_dump": "modeltap.dump",
     "Dump": "modeltap.dump",
     "DumpWriter": "modeltap.dump",
@@ -67,25 +67,25 @@ _EXPORTS = {
 
 # _EXPORTS declares the lazy names; the imports under TYPE_CHECKING repeat them for type checkers
 # (tests/test_architecture.py checks that they match).
-__all__ = sorted([*_EXPORTS, "__version__", "capture", "diff", "record"])
+__all__ = sorted([*_EXPORTS, "__version__", "capture", "diff", "dump", "record"])
 
 if TYPE_CHECKING:
     from modeltap.capture import Captured, hooks
     from modeltap.compare import compare_models
     from modeltap.dump import Dump, DumpWriter, load_dump
+    from modeltap.dumping import dump_model
     from modeltap.errors import ModeltapError
     from modeltap.exporting import export
     from modeltap.generate import generate_model, step_view
     from modeltap.loading import Inputs, file_inputs, load_model, text_inputs
     from modeltap.loading.processors import inputs_from
-    from modeltap.run import dump_model
     from modeltap.selection import Selection, select_modules
     from modeltap.stats import TensorStats, tensor_stats
 
 
 def __getattr__(name: str) -> Any:
-    if name == "diff":  # the package, callable as the verb: see modeltap/diff/__init__.py
-        return importlib.import_module("modeltap.diff")
+    if name in ("diff", "dump"):  # the package, callable as the verb: see modeltap/dump/__init__.py
+        return importlib.import_module(f"modeltap.{name}")
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'modeltap' has no attribute {name!r}")

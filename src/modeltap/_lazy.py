@@ -1,11 +1,13 @@
 """Names of a package imported from their modules when first used (PEP 562), so that importing
 the package is free and `modeltap --help` or `modeltap show` loads only the modules it needs; and
-the facade's verbs that share a name with a subpackage (`over_package`)."""
+the facade's verbs that share a name with a subpackage (`over_package`, or the package itself made
+callable: `callable_package`)."""
 
 from __future__ import annotations
 
 import importlib
 import sys
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -33,3 +35,25 @@ def over_package(verb: F) -> F:
     puts the package back in the verb's place."""
     importlib.import_module(f"{verb.__module__}.{verb.__name__}")
     return verb
+
+
+def callable_package(package: str, home: str, name: str) -> None:
+    """Make the package `package` callable as the function `name` of the module `home` (imported at
+    the first call): a verb named like its package (`modeltap.dump(model, inputs, path)`) that is
+    the package itself, so it hides none of the package's names (`modeltap.dump.DumpWriter`,
+    `import modeltap.dump.writer as w`), whichever import comes first."""
+
+    def verb() -> Callable[..., Any]:
+        return getattr(importlib.import_module(home), name)
+
+    class CallablePackage(types.ModuleType):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return verb()(*args, **kwargs)
+
+        @property
+        def __signature__(self) -> Any:  # what inspect.signature and help() show
+            import inspect
+
+            return inspect.signature(verb())
+
+    sys.modules[package].__class__ = CallablePackage

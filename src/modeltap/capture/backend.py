@@ -1,4 +1,4 @@
-"""What every non-eager capture backend hands back to `run.dump_model`.
+"""What every non-eager capture backend hands back to `dumping.dump_model`.
 
 A backend runs the model once with the selected modules observed, names what it saw through a
 `Recorder` (so keys follow the eager rules), and says what it could not map: a selected module that

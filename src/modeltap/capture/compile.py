@@ -59,7 +59,7 @@ def compile_capture(
 
 @dataclass
 class CompileBackend:
-    """`run.dump_model(..., backend=CompileBackend("inductor"))`: dump through torch.compile."""
+    """`dumping.dump_model(..., backend=CompileBackend("inductor"))`: dump through torch.compile."""
 
     backend: str = DEFAULT_BACKEND
     fullgraph: bool = False

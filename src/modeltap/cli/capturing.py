@@ -62,9 +62,9 @@ def _checked_request(s: Settings, activations: bool) -> tuple[Path, Any]:
     """Before anything loads: a model and inputs given, the output writable, the placement and
     the compile backend valid. (the dump's path, the compile backend or None)"""
     from modeltap.dump import check_writable
+    from modeltap.dumping import default_out
     from modeltap.loading.resolve import check_placement
     from modeltap.loading.transformed import is_transformed
-    from modeltap.run import default_out
 
     if not s.model:
         raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
@@ -92,8 +92,8 @@ def _checked_request(s: Settings, activations: bool) -> tuple[Path, Any]:
 def _dump(
     s: Settings, resolved: Any, path: Path, *, spec: Any, activations: bool, backend: Any
 ) -> Path:
+    from modeltap.dumping import dump_model
     from modeltap.loading.resolve import run_metadata
-    from modeltap.run import dump_model
     from modeltap.selection import Selection
 
     loaded, tok = resolved.loaded, resolved.tokenizer

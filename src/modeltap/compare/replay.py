@@ -198,7 +198,7 @@ def _module(key: str) -> str:
 def _meta(
     model: nn.Module, inputs: Inputs, rec: Recorder, extra: dict[str, str], options: Options
 ) -> dict[str, str]:
-    from modeltap.run import environment
+    from modeltap.dumping import environment
 
     return {
         "kind": "activations",

@@ -11,16 +11,15 @@ moved once behind a header of its own size (see `_wasted`).
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import re
 import struct
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from modeltap.dump.pipeline import Pipeline, byte_view, dense, pwrite_all, write_at
 from modeltap.dump.timeline import Timeline
 from modeltap.errors import InputError
 from modeltap.stats import (
@@ -29,7 +28,6 @@ from modeltap.stats import (
     begin_stats,
     dtype_name,
     final_stats,
-    tensor_stats,
 )
 
 if TYPE_CHECKING:
@@ -182,7 +180,7 @@ class DumpWriter:
         if max_inflight < 0:
             raise InputError(f"max_inflight is {max_inflight}; give 0 (no writer thread) or more")
         self.max_inflight = max_inflight
-        self._pipeline: _Pipeline | None = None
+        self._pipeline: Pipeline | None = None
         self._lock = threading.Lock()
         self.peak_inflight = 0  # most bytes the writer thread held at once
         self._stats_order: list[str] = []  # the header lists statistics in call order
@@ -271,72 +269,103 @@ class DumpWriter:
             code = None
         elif code is None:
             raise InputError(f"can't store '{key}' of dtype {dtype}; use --stats-only")
-        cpu = x.is_cpu
-        if final and self.stats_only and cpu:
-            with self._lock:
-                self._stats_order.append(key)
-                if self._final_pool is None:
-                    from concurrent.futures import ThreadPoolExecutor
-
-                    # CPU statistics are numpy on one core: the same bits in any thread, and no
-                    # torch thread pool to set up here
-                    self._final_pool = ThreadPoolExecutor(_FINAL_WORKERS, "modeltap-stats")
-                options = self._options(count_zeros)
-                self._final[key] = (
-                    self._final_pool.submit(final_stats, x, **options)
-                    if record is None
-                    else self._final_pool.submit(_timed_final, timeline, record, x, options)
-                )
+        if final and self.stats_only and x.is_cpu:
+            self._take_final(key, x, count_zeros, record)
             return
         with self._lock:
-            size = 0 if code is None else nbytes
-            position = 8 + self._reserve + self._offset
-            if code is not None:
-                self._entries[key] = {
-                    "dtype": code,
-                    "shape": list(x.shape),
-                    "data_offsets": [self._offset, self._offset + size],
-                }
-                self._offset += size
-            self._stats_order.append(key)
-            if not self._flushed and self._file is not None:
-                self._file.flush()  # from here on, data goes in with pwrite at its offset
-                self._flushed = True
-            threaded = not cpu or nbytes >= _THREAD_MIN_BYTES
+            position, size = self._place(key, x, code, nbytes)
+            threaded = not x.is_cpu or nbytes >= _THREAD_MIN_BYTES
             if threaded and self.max_inflight and self._file is not None:
                 if self._pipeline is None:
-                    self._pipeline = _Pipeline(self, self.max_inflight)
+                    self._pipeline = Pipeline(self, self.max_inflight)
                 options = self._options(count_zeros)
                 taken = self._pipeline.take(
                     key, x, options, position=position, write=code is not None, record=record
                 )
                 if taken:
                     return
-            if not threaded and _dense(x):
-                # Kept as it is now and done with others later, in one tight loop: between the
-                # model's kernels the per-tensor overhead is several times what it is in a row.
-                if record is None:
-                    copy = x.clone()
-                else:
-                    start = timeline.now()
-                    copy = x.clone()
-                    timeline.span(record, "copy", start, "main")
-                self._deferred.append((key, copy, count_zeros, position if size else None, record))
-                self._deferred_bytes += nbytes
-                if self._deferred_bytes >= _STAGE_BYTES:
-                    self._run_deferred()
+            if not threaded and dense(x):
+                self._defer(key, x, count_zeros, position if size else None, record)
                 return
+            self._take_now(key, x, count_zeros, position if size else None, threaded, record)
+
+    def _take_final(self, key: str, x: torch.Tensor, count_zeros: bool, record: Any) -> None:
+        """A finished forward's CPU tensor in a stats-only dump: its statistics on a worker,
+        read where it is (`tensor`'s `final`)."""
+        with self._lock:
+            self._stats_order.append(key)
+            if self._final_pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                # CPU statistics are numpy on one core: the same bits in any thread, and no
+                # torch thread pool to set up here
+                self._final_pool = ThreadPoolExecutor(_FINAL_WORKERS, "modeltap-stats")
+            options = self._options(count_zeros)
+            self._final[key] = (
+                self._final_pool.submit(final_stats, x, **options)
+                if record is None
+                else self._final_pool.submit(_timed_final, self._timeline, record, x, options)
+            )
+
+    def _place(self, key: str, x: torch.Tensor, code: str | None, nbytes: int) -> tuple[int, int]:
+        """The file position of `key`'s bytes and their size (0 when none are stored); its
+        header entry and its place in the statistics' order. Under the lock."""
+        size = 0 if code is None else nbytes
+        position = 8 + self._reserve + self._offset
+        if code is not None:
+            self._entries[key] = {
+                "dtype": code,
+                "shape": list(x.shape),
+                "data_offsets": [self._offset, self._offset + size],
+            }
+            self._offset += size
+        self._stats_order.append(key)
+        if not self._flushed and self._file is not None:
+            self._file.flush()  # from here on, data goes in with pwrite at its offset
+            self._flushed = True
+        return position, size
+
+    def _defer(
+        self, key: str, x: torch.Tensor, count_zeros: bool, position: int | None, record: Any
+    ) -> None:
+        """A small dense CPU tensor, kept as it is now and done with others later, in one tight
+        loop: between the model's kernels the per-tensor overhead is several times what it is in
+        a row."""
+        timeline = self._timeline
+        if timeline is None or record is None:
+            copy = x.clone()
+        else:
+            start = timeline.now()
+            copy = x.clone()
+            timeline.span(record, "copy", start, "main")
+        self._deferred.append((key, copy, count_zeros, position, record))
+        self._deferred_bytes += x.numel() * x.element_size()
+        if self._deferred_bytes >= _STAGE_BYTES:
+            self._run_deferred()
+
+    def _take_now(
+        self,
+        key: str,
+        x: torch.Tensor,
+        count_zeros: bool,
+        position: int | None,
+        threaded: bool,
+        record: Any,
+    ) -> None:
+        """Statistics here and now; the bytes staged with small ones, or written at once (a
+        tensor the writer thread did not take)."""
+        timeline = self._timeline
+        start = 0.0 if timeline is None else timeline.now()
+        self.stats[key] = begin_stats(x, **self._options(count_zeros)).result()
+        if timeline is not None and record is not None:
+            timeline.span(record, "stats", start, "main")
+        if position is not None and not threaded:
+            self._stage(x, position, record)
+        elif position is not None:
             start = 0.0 if timeline is None else timeline.now()
-            self.stats[key] = begin_stats(x, **self._options(count_zeros)).result()
-            if record is not None:
-                timeline.span(record, "stats", start, "main")
-            if size and not threaded:
-                self._stage(x, position, record)
-            elif size:
-                start = 0.0 if timeline is None else timeline.now()
-                _write_at(self._file.fileno(), x, position)
-                if record is not None:
-                    timeline.span(record, "write", start, "main")
+            write_at(self._file.fileno(), x, position)
+            if timeline is not None and record is not None:
+                timeline.span(record, "write", start, "main")
 
     def _run_deferred(self) -> None:
         deferred = self._deferred
@@ -370,7 +399,7 @@ class DumpWriter:
             self._write_staged()
         if not self._staged:
             self._staged_at = position
-        self._staged += _byte_view(x)
+        self._staged += byte_view(x)
         if record is not None:
             self._staged_records.append(record)
 
@@ -378,7 +407,7 @@ class DumpWriter:
         if self._staged:
             timeline = self._timeline
             start = 0.0 if timeline is None else timeline.now()
-            _pwrite_all(self._file.fileno(), memoryview(self._staged), self._staged_at)
+            pwrite_all(self._file.fileno(), memoryview(self._staged), self._staged_at)
             self._staged = bytearray()
             if timeline is not None:  # one span for the bytes written together
                 span = [start, timeline.now(), "deferred"]
@@ -513,261 +542,3 @@ def _timed_final(
     stats = final_stats(x, **options)
     timeline.span(record, "stats", start, "final")
     return stats
-
-
-def _byte_dtype() -> torch.dtype:
-    import torch
-
-    return torch.uint8
-
-
-def _byte_view(tensor: torch.Tensor) -> memoryview:
-    if tensor.device.type == "cpu" and tensor.is_contiguous():
-        # numpy's views cost a microsecond where torch's cost several, which small tensors pay.
-        try:
-            return memoryview(tensor.detach().numpy().reshape(-1).view("uint8"))
-        except (TypeError, RuntimeError):  # bfloat16 and others that numpy has no type for
-            pass
-    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(_byte_dtype())
-    return memoryview(data.numpy())
-
-
-def _pwrite_all(fd: int, view: memoryview, position: int) -> None:
-    while view.nbytes:
-        n = os.pwrite(fd, view, position)
-        view, position = view[n:], position + n
-
-
-def _write_at(fd: int, tensor: torch.Tensor, position: int) -> None:
-    """The tensor's bytes into the file at `position` (pwrite: the thread and the caller write
-    different parts of the file at once)."""
-    _pwrite_all(fd, _byte_view(tensor), position)
-
-
-def _dense(x: torch.Tensor) -> bool:
-    """Whether x's elements fill their memory exactly once (any order of dims)."""
-    if x.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted(
-        (st, sz) for sz, st in zip(x.shape, x.stride(), strict=True) if sz != 1
-    ):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-@dataclass
-class _Item:
-    """One tensor on its way to the file: a copy in the pipeline's buffer, or queued kernels."""
-
-    key: str
-    position: int  # in the file
-    offset: int  # in the buffer
-    size: int  # bytes of the copy
-    charge: int  # buffer bytes held (padding and a wrapped ring's end included) until written
-    copy: torch.Tensor | None  # the tensor as it was, in the buffer
-    write: bool
-    options: dict[str, Any]
-    record: dict[str, Any] | None = None  # its timeline record (MODELTAP_TIMELINE)
-    pending: Any = None  # stats.PendingStats of a CUDA tensor
-    numbers: torch.Tensor | None = None  # its numbers, copied to pinned memory
-    event: Any = None  # CUDA event after both copies
-
-
-class _Pipeline:
-    """A writer thread fed through one reused buffer of `capacity` bytes (a ring, FIFO).
-
-    The caller copies each tensor into the ring and goes on; the thread computes its statistics
-    from the copy and writes its bytes at their place in the file, in queue order (FIFO, which
-    frees the ring from its tail). A full ring makes the caller wait
-    (back-pressure), so the bytes in flight never exceed `capacity`. For CUDA tensors the ring is
-    pinned, the copies are non-blocking and the statistics run on the device; the thread waits
-    on one event per tensor and receives a few numbers with the bytes.
-    """
-
-    _ALIGN = 64
-
-    def __init__(self, writer: DumpWriter, capacity: int) -> None:
-
-        self.writer = writer
-        self.file = writer._file
-        # The thread's own descriptor: should the writer be aborted and its file closed while a
-        # write is under way, the number can't be reused by another file meanwhile.
-        self.fd = os.dup(self.file.fileno())
-        self.capacity = capacity // self._ALIGN * self._ALIGN
-        self.buffer: torch.Tensor | None = None
-        self.head = self.tail = self.used = 0
-        self.peak = 0
-        self.queue: collections.deque[_Item] = collections.deque()
-        self.busy = False
-        self.stop = False
-        self.error: BaseException | None = None
-        self.cond = threading.Condition()
-        # No torch thread count to carry over: CPU statistics are numpy on one core (the same
-        # bits in any thread, a strided tensor laid out by numpy too), so this thread starts no
-        # OpenMP team beside the model's (a float8 tensor, which numpy lacks, is the exception).
-        self.thread = threading.Thread(target=self._run, name="modeltap-writer", daemon=True)
-        self.thread.start()
-
-    def take(
-        self,
-        key: str,
-        x: torch.Tensor,
-        options: dict[str, Any],
-        *,
-        position: int,
-        write: bool,
-        record: dict[str, Any] | None = None,
-    ) -> bool:
-        """Queue `x`; False when it is bigger than the ring (the caller handles it inline)."""
-        import torch
-
-        cuda = x.device.type == "cuda"
-        size = x.numel() * x.element_size() if (write or not cuda) else 0
-        charge = -(-size // self._ALIGN) * self._ALIGN
-        if charge > self.capacity or not (cuda or _dense(x)):
-            return False
-        timeline = self.writer._timeline
-        start = 0.0 if timeline is None else timeline.now()
-        offset, charge = self._reserve(charge, pin=cuda)
-        if record is not None:  # waiting for room in the ring: back-pressure
-            timeline.span(record, "wait", start, "main")
-            start = timeline.now()
-        copy = x if not size else None  # an empty tensor has nothing to keep
-        if size:
-            assert self.buffer is not None
-            flat = self.buffer[offset : offset + size].view(x.dtype)
-            # The copy keeps the tensor's strides, so that copy_ is a plain memcpy; the
-            # statistics read its rows in logical order whatever the layout.
-            copy = flat.view(x.shape) if cuda else flat.as_strided(x.shape, x.stride())
-            copy.copy_(x, non_blocking=cuda)
-        if record is not None:
-            timeline.span(record, "copy", start, "main")
-        item = _Item(key, position, offset, size, charge, copy, write, options, record)
-        if cuda:
-            item.pending = begin_stats(x, **options)
-            if item.pending.numbers is not None:
-                item.numbers = torch.empty(
-                    item.pending.numbers.shape, dtype=torch.float64, pin_memory=True
-                )
-                item.numbers.copy_(item.pending.numbers, non_blocking=True)
-                item.pending.numbers = None
-            item.event = torch.cuda.Event()
-            item.event.record(torch.cuda.current_stream(x.device))  # where x's copies queued
-        with self.cond:
-            self.queue.append(item)
-            self.cond.notify_all()
-        return True
-
-    def _reserve(self, size: int, *, pin: bool) -> tuple[int, int]:
-        """(offset, bytes charged) of `size` free bytes of the ring, waiting for the thread to
-        free them; the charge includes the ring's end when the block wraps to the start."""
-        import torch
-
-        if self.buffer is None and size:
-            self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
-        with self.cond:
-            while True:
-                if self.error is not None:
-                    raise self.error
-                if not size:
-                    return 0, 0
-                if self.used == 0:
-                    self.head = self.tail = 0
-                if self.head > self.tail or self.used == 0:  # in use: [tail, head)
-                    if self.capacity - self.head >= size:
-                        offset, charge = self.head, size
-                        break
-                    if size <= self.tail:  # wrap; the ring's end stays unused meanwhile
-                        offset, charge = 0, size + self.capacity - self.head
-                        break
-                elif self.tail - self.head >= size:  # in use: [tail, end) and [0, head)
-                    offset, charge = self.head, size
-                    break
-                self.cond.wait()
-            self.head = offset + size
-            self.used += charge
-            self.peak = max(self.peak, self.used)
-        return offset, charge
-
-    def _release(self, item: _Item) -> None:
-        """Called in FIFO order, under the lock."""
-        if item.charge:
-            self.used -= item.charge
-            self.tail = -(-(item.offset + item.size) // self._ALIGN) * self._ALIGN
-            if self.used == 0:
-                self.head = self.tail = 0
-
-    def idle(self) -> bool:
-        """Whether every queued tensor is written (only the caller queues more)."""
-        with self.cond:
-            return not self.queue and not self.busy
-
-    def drain(self) -> None:
-        """Wait until every queued tensor is written; re-raise the thread's error."""
-        with self.cond:
-            while (self.queue or self.busy) and self.error is None:
-                self.cond.wait()
-            if self.error is not None:
-                raise self.error
-
-    def close(self) -> None:
-        self.drain()
-        with self.cond:
-            self.stop = True
-            self.cond.notify_all()
-        self.thread.join()
-        self.writer.peak_inflight = max(self.writer.peak_inflight, self.peak)
-
-    def _run(self) -> None:
-        try:
-            self._loop()
-        finally:
-            os.close(self.fd)
-
-    def _loop(self) -> None:
-        while True:
-            with self.cond:
-                while not self.queue and not self.stop:
-                    # A writer aborted mid-run (its file closed) has nobody left to stop us.
-                    if not self.cond.wait(timeout=0.25) and self.file.closed:
-                        return
-                if not self.queue or self.file.closed:
-                    return
-                item = self.queue.popleft()
-                self.busy = True
-            try:
-                self._process(item)
-            except BaseException as exc:  # handed to the caller at its next call
-                with self.cond:
-                    self.error = exc
-                    self.busy = False
-                    self.cond.notify_all()
-                return
-            with self.cond:
-                self._release(item)
-                self.busy = False
-                self.cond.notify_all()
-
-    def _process(self, item: _Item) -> None:
-        timeline, record = self.writer._timeline, item.record
-        start = 0.0 if timeline is None else timeline.now()
-        if item.event is not None:
-            item.event.synchronize()
-            numbers = None if item.numbers is None else item.numbers.tolist()
-            stats = item.pending.result(numbers)
-        else:
-            assert item.copy is not None
-            stats = tensor_stats(item.copy, **item.options)
-        self.writer.stats[item.key] = stats
-        if record is not None:
-            timeline.span(record, "stats", start, "writer")
-            start = timeline.now()
-        if item.write and item.copy is not None and item.size:
-            _write_at(self.fd, item.copy, item.position)
-            if record is not None:
-                timeline.span(record, "write", start, "writer")
-
-

@@ -77,7 +77,7 @@ def generate_model(
     import torch
 
     from modeltap.capture import hooks
-    from modeltap.run import _RESERVE_PER_MODULE
+    from modeltap.dumping import _RESERVE_PER_MODULE
 
     plan = plan or StepPlan()
     selection = selection or Selection()
@@ -226,7 +226,7 @@ def _file_meta(
     metadata: dict[str, str] | None,
 ) -> dict[str, str]:
     """The file's metadata of the run (the environment, the model, the inputs, the selection)."""
-    from modeltap.run import environment
+    from modeltap.dumping import environment
 
     return {
         "kind": "generation",

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from modeltap.dump import DumpWriter
+from modeltap.dumping import device_name
 from modeltap.errors import InputError
 from modeltap.generate.keys import CACHE_MODULE, step_key
 from modeltap.generate.options import StepPlan
-from modeltap.run import device_name
 
 if TYPE_CHECKING:
     import torch

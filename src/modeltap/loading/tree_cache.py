@@ -71,7 +71,7 @@ def _config_folder(name: str, revision: str | None, trust_remote_code: bool) -> 
 def _key(folder: Path, model_class: str, trust_remote_code: bool) -> str:
     from importlib.metadata import PackageNotFoundError, version
 
-    from modeltap import __version__
+    from modeltap._version import __version__
 
     def digest(path: Path) -> str:
         return hashlib.sha256(path.read_bytes()).hexdigest()

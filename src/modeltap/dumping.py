@@ -1,19 +1,23 @@
-"""One call from a loaded model and inputs to a dump file: what `modeltap dump` does."""
+"""`modeltap.dump`: a model and its inputs -> a dump file, in one call (`dump`, which reads like
+safetensors' `save_file`, over `dump_model`, which `modeltap dump` and `modeltap grads` call with
+a loaded model, `Inputs`, a `Selection` and a backend)."""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modeltap.capture import hooks, run_model
 from modeltap.dump import DEFAULT_MAX_INFLIGHT, DumpWriter
 from modeltap.dump.format import INPUTS_PREFIX
-from modeltap.loading import Inputs, check_forward_names
+from modeltap.errors import InputError
+from modeltap.loading import Inputs, check_forward_names, text_inputs
 from modeltap.selection import Selection, select_modules
 
 if TYPE_CHECKING:
@@ -36,13 +40,76 @@ def environment() -> dict[str, str]:
     import torch
     import transformers
 
-    from modeltap import __version__
+    from modeltap._version import __version__
 
     return {
         "modeltap_version": __version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+
+
+def dump(
+    model: nn.Module,
+    inputs: Any,
+    path: str | os.PathLike[str],
+    *,
+    depth: int | None = None,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    stats_only: bool = False,
+    tokenizer: Any = None,
+    capture_inputs: bool = False,
+    train_mode: bool = False,
+    seed: int | None = 0,
+    dead_threshold: float = 0.0,
+    hist: bool = False,
+    metadata: dict[str, str] | None = None,
+) -> Path:
+    """`modeltap.dump(model, inputs, path, depth=3)`: run `model` on `inputs` with its modules
+    hooked and write every selected module's output, with its statistics, to `path` (a
+    .safetensors file, written whole or not at all); returns the path.
+
+    `inputs`: text (a string or a list of them: give `tokenizer=`), a dict of tensors (or what a
+    tokenizer or processor returns: BatchEncoding, BatchFeature) passed as keywords, a tensor or a
+    tuple of them passed positionally, or an `Inputs`. `depth`, `include`, `exclude`: which
+    modules (as `--depth`, `--include`, `--exclude`); `stats_only`: statistics without the tensors.
+    The rest as `dump_model`."""
+    selection = Selection(depth=depth, include=tuple(include), exclude=tuple(exclude))
+    return dump_model(
+        model,
+        as_inputs(inputs, tokenizer=tokenizer),
+        path,
+        selection=selection,
+        capture_inputs=capture_inputs,
+        train_mode=train_mode,
+        seed=seed,
+        stats_only=stats_only,
+        dead_threshold=dead_threshold,
+        metadata=metadata,
+        hist=hist,
+    )
+
+
+def as_inputs(inputs: Any, *, tokenizer: Any = None) -> Inputs:
+    """`dump`'s `inputs` as an `Inputs` (see there); an InputError for text without a
+    tokenizer."""
+    from collections.abc import Mapping
+
+    if isinstance(inputs, Inputs):
+        return inputs
+    if isinstance(inputs, str) or (
+        isinstance(inputs, list | tuple) and inputs and all(isinstance(i, str) for i in inputs)
+    ):
+        if tokenizer is None:
+            raise InputError("text inputs need a tokenizer: modeltap.dump(..., tokenizer=...)")
+        return text_inputs(tokenizer, [inputs] if isinstance(inputs, str) else list(inputs))
+    if isinstance(inputs, Mapping):
+        kwargs = dict(inputs)
+        shapes = {k: list(v.shape) for k, v in kwargs.items() if _is_tensor(v)}
+        return Inputs((), kwargs, {"tensors": shapes})
+    args = tuple(inputs) if isinstance(inputs, list | tuple) else (inputs,)
+    return Inputs(args, {}, {})
 
 
 def dump_model(
@@ -74,8 +141,6 @@ def dump_model(
     `max_inflight`: bytes the writer thread may hold copied but not yet written (see `DumpWriter`).
     `hist`: a fixed-bin histogram per tensor in its statistics (`stats.HIST_EDGES`).
     """
-    import torch
-
     selection = selection or Selection()
     modules = select_modules(model, selection)
     check_forward_names(model, inputs)
@@ -90,45 +155,87 @@ def dump_model(
         max_inflight=max_inflight,
         hist=hist,
     )
-    sink = _DeviceLog(writer)
-    stored_inputs = [] if stats_only else _processed_input_keys(inputs)
+    run = _Run(
+        model,
+        inputs,
+        selection,
+        modules,
+        _DeviceLog(writer),
+        [] if stats_only else _processed_input_keys(inputs),
+        seed=seed,
+        train_mode=train_mode,
+        metadata=metadata,
+        backend=backend,
+    )
     if grads is not None:
-        return _dump_with_grads(
-            model,
-            inputs,
-            sink,
-            modules,
-            grads,
-            activations=activations,
-            train_mode=train_mode,
-            seed=seed or 0,
-            mask_token_id=mask_token_id,
-            special_ids=special_ids,
-            meta={
-                **environment(),
-                "model_class": type(model).__name__,
-                "seed": str(seed),
-                "train_mode": str(train_mode).lower(),
-                **(metadata or {}),
-                "inputs": json.dumps(inputs.description),
-                "selection": json.dumps({**selection.as_dict(), "inputs": False}),
-            },
-            backend=backend,
-            stored_inputs=stored_inputs,
-        )
+        options = {"mask_token_id": mask_token_id, "special_ids": special_ids}
+        return _dump_with_grads(run, grads, activations=activations, **options)
+    return _dump_activations(run, capture_inputs=capture_inputs)
+
+
+@dataclass
+class _Run:
+    """One dump's run: what both the activations and the gradients path take, and the metadata
+    they write (built in one place, `metadata`)."""
+
+    model: nn.Module
+    inputs: Inputs
+    selection: Selection
+    modules: list[str]
+    sink: _DeviceLog
+    stored_inputs: list[str]
+    seed: int | None
+    train_mode: bool
+    metadata: dict[str, str] | None
+    backend: Backend | None
+
+    def metadata_for(
+        self,
+        kind: str,
+        recorded: Any,
+        *,
+        inputs_captured: bool,
+        backend: dict[str, str],
+        after: dict[str, str] | None = None,
+    ) -> dict[str, str]:
+        """The dump's metadata: the run (`kind`, versions, model class, seed, mode), the
+        backend's notes, the caller's `metadata`, the inputs and selection, then what the
+        `recorded` run saw (its order, skips, devices) and `after` (a gradient path's notes)."""
+        return {
+            "kind": kind,
+            **environment(),
+            "model_class": type(self.model).__name__,
+            "seed": str(self.seed),
+            "train_mode": str(self.train_mode).lower(),
+            **backend,
+            **(self.metadata or {}),
+            "inputs": json.dumps(self.inputs.description),
+            "selection": json.dumps({**self.selection.as_dict(), "inputs": inputs_captured}),
+            **(after or {}),
+            "order": json.dumps([*self.stored_inputs, *recorded.order]),
+            "skipped": json.dumps(recorded.skipped),
+            "skipped_none": str(recorded.skipped_none),
+            "devices": json.dumps(self.sink.devices),
+        }
+
+
+def _dump_activations(run: _Run, *, capture_inputs: bool) -> Path:
+    import torch
+
+    model, inputs, sink, backend = run.model, run.inputs, run.sink, run.backend
     backend_meta = {"backend": "eager"}
-    with writer, torch.random.fork_rng(devices=[]):
-        _write_inputs(sink, inputs, stored_inputs)
+    with sink.writer, torch.random.fork_rng(devices=[]):
+        _write_inputs(sink, inputs, run.stored_inputs)
         if backend is not None:
             done = backend.run(
                 model,
-                modules,
+                run.modules,
                 sink,
                 inputs.args,
                 inputs.kwargs,
                 inputs=capture_inputs,
-                train_mode=train_mode,
-                seed=seed,
+                train_mode=run.train_mode,
+                seed=run.seed,
             )
             rec = done.recorder
             backend_meta = {
@@ -137,27 +244,16 @@ def dump_model(
                 "unmapped": json.dumps(done.unmapped),
             }
         else:
-            if seed is not None:
-                manual_seed(seed)
-            with hooks(model, modules, sink, inputs=capture_inputs, train_mode=train_mode) as rec:
+            if run.seed is not None:
+                manual_seed(run.seed)
+            options = {"inputs": capture_inputs, "train_mode": run.train_mode}
+            with hooks(model, run.modules, sink, **options) as rec:
                 with torch.no_grad():
                     run_model(model, inputs.args, inputs.kwargs)
-        meta: dict[str, Any] = {
-            "kind": "activations",
-            **environment(),
-            "model_class": type(model).__name__,
-            "seed": str(seed),
-            "train_mode": str(train_mode).lower(),
-            **backend_meta,
-            **(metadata or {}),
-            "inputs": json.dumps(inputs.description),
-            "selection": json.dumps({**selection.as_dict(), "inputs": capture_inputs}),
-            "order": json.dumps([*stored_inputs, *rec.order]),
-            "skipped": json.dumps(rec.skipped),
-            "skipped_none": str(rec.skipped_none),
-            "devices": json.dumps(sink.devices),
-        }
-        return writer.finish(meta)
+        meta = run.metadata_for(
+            "activations", rec, inputs_captured=capture_inputs, backend=backend_meta
+        )
+        return sink.writer.finish(meta)
 
 
 def manual_seed(seed: int) -> None:
@@ -233,54 +329,43 @@ def _grads_through(
 
 
 def _dump_with_grads(
-    model: nn.Module,
-    inputs: Inputs,
-    writer: _DeviceLog,
-    modules: list[str],
+    run: _Run,
     spec: GradSpec,
     *,
     activations: bool,
-    train_mode: bool,
-    seed: int,
     mask_token_id: int | None,
     special_ids: tuple[int, ...],
-    meta: dict[str, str],
-    backend: Backend | None = None,
-    stored_inputs: list[str] | None = None,
 ) -> Path:
     from modeltap.grads import run_grads
 
-    stored_inputs = stored_inputs or []
+    model, sink = run.model, run.sink
     with (
-        writer.writer,
+        sink.writer,
         _offloaded_weights_frozen(model, spec),
-        _grads_through(backend, model) as after,
+        _grads_through(run.backend, model) as after,
     ):
-        _write_inputs(writer, inputs, stored_inputs)
+        _write_inputs(sink, run.inputs, run.stored_inputs)
         result = run_grads(
             model,
-            inputs,
-            writer,
+            run.inputs,
+            sink,  # type: ignore[arg-type]
             spec=spec,
-            modules=modules,
-            activations=modules if activations else (),
-            train_mode=train_mode,
-            seed=seed,
+            modules=run.modules,
+            activations=run.modules if activations else (),
+            train_mode=run.train_mode,
+            seed=run.seed or 0,
             mask_token_id=mask_token_id,
             special_ids=special_ids,
         )
-        return writer.finish(
-            {
-                "kind": "activations+gradients" if activations else "gradients",
-                **meta,
-                "grad": json.dumps(result.meta),
-                "order": json.dumps([*stored_inputs, *result.order]),
-                "skipped": json.dumps(result.skipped),
-                "skipped_none": str(result.skipped_none),
-                "devices": json.dumps(writer.devices),
-                **(after() if after is not None else {"backend": "eager"}),
-            }
+        meta = run.metadata_for(
+            "activations+gradients" if activations else "gradients",
+            result,
+            inputs_captured=False,
+            backend={},
+            after={"grad": json.dumps(result.meta)},
         )
+        meta.update(after() if after is not None else {"backend": "eager"})
+        return sink.writer.finish(meta)
 
 
 @contextmanager
@@ -320,7 +405,7 @@ def device_name(device: Any) -> str:
 
 class _DeviceLog:
     """The writer, noting the device of each tensor it is given (a big model's outputs come from
-    several GPUs, or the CPU); everything else goes straight to the writer."""
+    several GPUs, or the CPU): a `capture.recorder.DumpSink` in front of the writer."""
 
     def __init__(self, writer: DumpWriter) -> None:
         self.writer = writer
@@ -337,5 +422,5 @@ class _DeviceLog:
     def alias(self, key: str, target: str) -> None:
         self.writer.alias(key, target)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.writer, name)
+    def graph_stats_options(self) -> dict[str, Any] | None:
+        return self.writer.graph_stats_options()
