@@ -1,4 +1,4 @@
-"""The option declarations against what commands show (`--help`) and what the README says."""
+"""The option declarations against what commands show (`--help`) and what the docs say."""
 
 import inspect
 import re
@@ -12,7 +12,7 @@ from modeltap.cli import app
 from modeltap.cli.app import COMMANDS
 from modeltap.cli.options import option_table
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def _flags(command_name):
@@ -35,25 +35,25 @@ def test_option_table_lists_what_help_lists_in_its_order(name):
     assert listed == {f for f in _flags(name) if f.startswith("--")}
 
 
-def _readme_rows():
-    """Each command's README option-table rows: (command, the flags its first cell names)."""
-    command = None
-    for line in README.read_text().splitlines():
-        heading = re.match(r"^#{2,4} .*?`modeltap (\w+)", line)
-        if heading:
-            command = heading.group(1)
-        elif re.match(r"^#{2,3} ", line):
-            command = None
-        elif command and line.startswith("| `"):
-            yield command, re.findall(r"--[\w][\w-]*", line.split("|")[1])
+def _page_rows():
+    """Each command page's option-table rows (docs/commands/NAME.md, and the dump options of
+    the images guide): (command, the flags its first cell names)."""
+    pages = {p: p.stem for p in (DOCS / "commands").glob("*.md")}
+    pages[DOCS / "guides" / "media.md"] = "dump"
+    for page, command in pages.items():
+        if command not in COMMANDS:
+            continue  # record is a library call
+        for line in page.read_text().splitlines():
+            if line.startswith("| `"):
+                yield command, re.findall(r"--[\w][\w-]*", line.split("|")[1])
 
 
-def test_readme_option_tables_name_only_options_their_command_has():
-    rows = list(_readme_rows())
+def test_page_option_tables_name_only_options_their_command_has():
+    rows = list(_page_rows())
     assert sum(len(flags) for _, flags in rows) > 20
     for command, flags in rows:
         unknown = sorted(set(flags) - _flags(command))
-        assert not unknown, f"README's `modeltap {command}` table names {unknown}"
+        assert not unknown, f"docs' `modeltap {command}` table names {unknown}"
 
 
 def _declared_flags(owner, declared, name):
