@@ -3,6 +3,7 @@ the declarations, and `mkdocs build --strict` clean (no broken link or reference
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -52,3 +53,22 @@ def test_the_site_builds_strictly(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "site" / "commands" / "dump" / "index.html").is_file()
+
+
+def test_the_record_page_tables_and_explains_every_keyword():
+    """record's keywords come from RecordOptions: the hook tables each one, and the page's
+    prose names each (a new keyword without a word on the page fails here)."""
+    import dataclasses
+
+    from modeltap.record.options import RecordOptions
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    page = (DOCS / "commands" / "record.md").read_text(encoding="utf-8")
+    assert "<!-- record-options -->" in page
+    table = hooks.on_page_markdown("<!-- record-options -->", page=None)
+    names = [f.name for f in dataclasses.fields(RecordOptions)]
+    assert re.findall(r"^\| `(\w+)` \|", table, re.M) == names
+    prose = page.replace("<!-- record-options -->", "")
+    assert [n for n in names if f"`{n}`" not in prose] == []
