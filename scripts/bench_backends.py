@@ -155,6 +155,7 @@ def export_figures(model, batch, reps: int, folder: Path) -> dict[str, float]:
     import torch
 
     from modeltap.capture import MemorySink, capture
+    from modeltap.capture.backend import RunRequest
     from modeltap.capture.export import ExportBackend, export_program, module_names, skeleton
     from modeltap.loading.archive import load_pt2
 
@@ -170,7 +171,7 @@ def export_figures(model, batch, reps: int, folder: Path) -> dict[str, float]:
         capture(model, **batch)
 
     def exported() -> None:
-        backend.run(tree, names, MemorySink(), (), batch, inputs=False, train_mode=False, seed=0)
+        backend.run(RunRequest(tree, names, MemorySink(), (), batch))
 
     t_eager, t_export = paired(eager, exported, reps)
     return {

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from modeltap.capture import MemorySink, capture, split_key
+from modeltap.capture.backend import RunRequest
 from modeltap.capture.compile import compile_capture
 from modeltap.capture.export import ExportBackend, export_program, module_names, skeleton
 from modeltap.capture.fx import FxBackend
@@ -60,7 +61,7 @@ def _assert_calls(
 def _backend(backend, tree, x) -> tuple[list[str], object]:
     names = [n or "__root__" for n, _ in tree.named_modules()]
     sink = MemorySink()
-    done = backend.run(tree, names, sink, (x,), {}, inputs=False, train_mode=False, seed=0)
+    done = backend.run(RunRequest(tree, names, sink, (x,), {}))
     rec = done.recorder
     return rec.order, lambda k: sink.tensors[rec.aliases.get(k, k)]
 

@@ -574,6 +574,7 @@ def test_compile_backend_asks_the_sink_protocol_not_what_it_wraps() -> None:
     """The compile backend hands a finished forward's tensors over as `final` to any sink that
     declares `DumpSink`'s methods (it once asked whether `sink.writer` was a DumpWriter), and asks
     it whether the statistics can come from the graph; the values are the forward hooks'."""
+    from modeltap.capture.backend import RunRequest
     from modeltap.capture.compile import CompileBackend
 
     torch.manual_seed(0)
@@ -592,9 +593,7 @@ def test_compile_backend_asks_the_sink_protocol_not_what_it_wraps() -> None:
         handle.remove()
     sink = _DeclaredSink()
     names = [name for name, _ in model.named_children()]
-    CompileBackend("eager").run(
-        model, names, sink, (x,), {}, inputs=False, train_mode=False, seed=0
-    )
+    CompileBackend("eager").run(RunRequest(model, names, sink, (x,), {}))
     assert sink.asked == 1
     assert sink.finals and all(sink.finals)
     assert set(sink.tensors) == set(plain)

@@ -13,6 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from modeltap.capture import MemorySink, capture
+from modeltap.capture.backend import RunRequest
 from modeltap.capture.export import (
     ExportBackend,
     export_program,
@@ -33,9 +34,7 @@ def _run(path: Path, args: tuple, kwargs: dict) -> tuple[MemorySink, object]:
     tree = skeleton(module_names(program))
     names = [n or "__root__" for n, _ in tree.named_modules()]
     sink = MemorySink()
-    done = ExportBackend(program).run(
-        tree, names, sink, args, kwargs, inputs=False, train_mode=False, seed=0
-    )
+    done = ExportBackend(program).run(RunRequest(tree, names, sink, args, kwargs))
     return sink, done
 
 
@@ -245,16 +244,9 @@ def test_bert_program_without_signatures_maps_structured_outputs_with_the_eager_
     program = load_pt2(tmp_path / "plain.pt2")
     tree = skeleton(module_names(program))
     sink = MemorySink()
-    done = ExportBackend(program, outputs=record_outputs(model, (), kwargs)).run(
-        tree,
-        [n or "__root__" for n, _ in tree.named_modules()],
-        sink,
-        (),
-        kwargs,
-        inputs=False,
-        train_mode=False,
-        seed=0,
-    )
+    names = [n or "__root__" for n, _ in tree.named_modules()]
+    backend = ExportBackend(program, outputs=record_outputs(model, (), kwargs))
+    done = backend.run(RunRequest(tree, names, sink, (), kwargs))
     assert len(want.keys()) == 46
     _assert_exact(sink, done, want)
     assert done.details["output_record"] is True and "structure_unmatched" not in done.details

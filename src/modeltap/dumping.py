@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modeltap.capture import hooks, run_model
+from modeltap.capture.backend import RunRequest
 from modeltap.dump import DEFAULT_MAX_INFLIGHT, DumpWriter
 from modeltap.dump.format import INPUTS_PREFIX
 from modeltap.errors import InputError
@@ -227,16 +228,9 @@ def _dump_activations(run: _Run, *, capture_inputs: bool) -> Path:
     with sink.writer, torch.random.fork_rng(devices=[]):
         _write_inputs(sink, inputs, run.stored_inputs)
         if backend is not None:
-            done = backend.run(
-                model,
-                run.modules,
-                sink,
-                inputs.args,
-                inputs.kwargs,
-                inputs=capture_inputs,
-                train_mode=run.train_mode,
-                seed=run.seed,
-            )
+            call = (model, run.modules, sink, inputs.args, inputs.kwargs)
+            options = {"inputs": capture_inputs, "train_mode": run.train_mode, "seed": run.seed}
+            done = backend.run(RunRequest(*call, **options))
             rec = done.recorder
             backend_meta = {
                 "backend": backend.name,

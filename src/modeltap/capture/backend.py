@@ -24,18 +24,28 @@ class BackendRun:
     output: Any = None
 
 
+@dataclass(frozen=True)
+class RunRequest:
+    """One run of a backend, declared once for all of them: `model` called with `args` and
+    `kwargs`, the selected `modules` observed and what they return handed to `sink`; `inputs`:
+    their inputs too; `train_mode`: run in training mode; `seed`: the RNG seed (None: as it is)."""
+
+    model: nn.Module
+    modules: list[str]
+    sink: Sink
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    inputs: bool = False
+    train_mode: bool = False
+    seed: int | None = 0
+
+    @property
+    def call(self) -> tuple[nn.Module, list[str], Sink, tuple[Any, ...], dict[str, Any]]:
+        """(model, modules, sink, args, kwargs), for a backend to unpack."""
+        return self.model, self.modules, self.sink, self.args, self.kwargs
+
+
 class Backend(Protocol):
     name: str
 
-    def run(
-        self,
-        model: nn.Module,
-        modules: list[str],
-        sink: Sink,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        inputs: bool,
-        train_mode: bool,
-        seed: int | None,
-    ) -> BackendRun: ...
+    def run(self, request: RunRequest) -> BackendRun: ...

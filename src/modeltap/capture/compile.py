@@ -10,10 +10,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from modeltap.capture.backend import BackendRun
+from modeltap.capture.backend import BackendRun, RunRequest
 from modeltap.capture.compile_log import DEFAULT_BACKEND, CompileInfo, check_backend, compiled_run
 from modeltap.capture.compile_stats import NotInGraph, graph_stats_run
-from modeltap.capture.recorder import Captured, DumpSink, MemorySink, Sink
+from modeltap.capture.recorder import Captured, DumpSink, MemorySink
 from modeltap.selection import ROOT
 
 if TYPE_CHECKING:
@@ -69,24 +69,14 @@ class CompileBackend:
         """The gradient run goes through `compiled_forward` (see there)."""
         return compiled_forward(model, self.backend)
 
-    def run(
-        self,
-        model: nn.Module,
-        modules: list[str],
-        sink: Sink,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        inputs: bool,
-        train_mode: bool,
-        seed: int | None,
-    ) -> BackendRun:
+    def run(self, request: RunRequest) -> BackendRun:
+        model, modules, sink, args, kwargs = request.call
         options = {
             "backend": self.backend,
             "fullgraph": self.fullgraph,
-            "inputs": inputs,
-            "train_mode": train_mode,
-            "seed": seed,
+            "inputs": request.inputs,
+            "train_mode": request.train_mode,
+            "seed": request.seed,
         }
         in_graph = sink.graph_stats_options() if isinstance(sink, DumpSink) else None
         reason = ""

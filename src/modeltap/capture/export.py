@@ -26,8 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from modeltap.capture.backend import BackendRun
-from modeltap.capture.recorder import Recorder, Sink
+from modeltap.capture.backend import BackendRun, RunRequest
+from modeltap.capture.recorder import Recorder
 from modeltap.capture.structure import OutputStructure
 from modeltap.errors import InputError, RunError, first_line
 from modeltap.selection import ROOT
@@ -427,31 +427,20 @@ class ExportBackend:
     # structure.record_outputs' record of the eager model, for modules without a signature
     outputs: dict | None = None
 
-    def run(
-        self,
-        model: nn.Module,
-        modules: list[str],
-        sink: Sink,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        inputs: bool,
-        train_mode: bool,
-        seed: int | None,
-    ) -> BackendRun:
+    def run(self, request: RunRequest) -> BackendRun:
         import torch
         from torch.utils import _pytree
 
-        if train_mode:
+        if request.train_mode:
             raise InputError("an exported program runs as exported; drop --train-mode")
         ep = self.program
-        selected = set(modules)
+        selected = set(request.modules)
         calls, unsigned = module_calls(ep)
         calls = [c for c in calls if c.module in selected]
         wanted = {getattr(a, "name", "") for c in calls for a in c.outputs}
-        if inputs:
+        if request.inputs:
             wanted |= {getattr(a, "name", "") for c in calls for a in c.inputs or []}
-        flat = flat_inputs(ep, args, kwargs)
+        flat = flat_inputs(ep, request.args, request.kwargs)
         gm = ep.module()
         # modules without a preserved signature: their output read from nn_module_stack scopes
         inferred = []
@@ -462,8 +451,8 @@ class ExportBackend:
             inferred = [c for c in scope_calls(gm) if c.module in wanted_modules]
             wanted |= {n.name for c in inferred for n in c.escaping}
         keeper = _Keeper(gm, wanted)
-        if seed is not None:
-            torch.manual_seed(seed)
+        if request.seed is not None:
+            torch.manual_seed(request.seed)
         start = time.perf_counter()
         try:
             with torch.no_grad():
@@ -489,7 +478,7 @@ class ExportBackend:
         events += [
             ((c.last, -c.module.count(".")), len(calls) + i, c) for i, c in enumerate(inferred)
         ]
-        recorder = Recorder(sink)
+        recorder = Recorder(request.sink)
         several: list[str] = []
         structure = OutputStructure.of(self.outputs)
         for _, _, call in sorted(events, key=lambda e: (e[0], e[1])):
@@ -499,7 +488,7 @@ class ExportBackend:
                     several.append(call.module)
                 recorder.record(call.module, structure.module_value(call.module, got))
                 continue
-            if inputs and call.inputs is not None and call.in_spec is not None:
+            if request.inputs and call.inputs is not None and call.in_spec is not None:
                 leaves = [_argument_value(a, values) for a in call.inputs]
                 call_args, call_kwargs = _pytree.tree_unflatten(leaves, call.in_spec)
                 recorder.record(
@@ -526,7 +515,9 @@ class ExportBackend:
             details["parts_not_in_graph"] = structure.missing
         if several:
             details["several_values_as_parts"] = several
-        return BackendRun(recorder, details, [m for m in modules if m not in called], output)
+        return BackendRun(
+            recorder, details, [m for m in request.modules if m not in called], output
+        )
 
 
 def _output(ep: Any, flat_out: Any) -> Any:

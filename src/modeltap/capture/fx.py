@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from modeltap.capture.backend import BackendRun
-from modeltap.capture.recorder import Recorder, Sink
+from modeltap.capture.backend import BackendRun, RunRequest
+from modeltap.capture.recorder import Recorder
 from modeltap.capture.structure import OutputStructure, record_outputs
 from modeltap.errors import InputError, RunError, first_line
 from modeltap.selection import ROOT
@@ -115,20 +115,12 @@ class FxBackend:
     # record_outputs' record; None: the GraphModule's own (`trace` keeps it in `meta`), if any
     outputs: dict | None = None
 
-    def run(
-        self,
-        model: nn.Module,
-        modules: list[str],
-        sink: Sink,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        inputs: bool,
-        train_mode: bool,
-        seed: int | None,
-    ) -> BackendRun:
+    def run(self, request: RunRequest) -> BackendRun:
         import torch
         import torch.fx
+
+        model, modules, sink, args, kwargs = request.call
+        inputs, train_mode, seed = request.inputs, request.train_mode, request.seed
 
         if inputs:
             raise InputError("--inputs is not available for fx.GraphModules; drop it")

@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from modeltap.capture.backend import BackendRun
+from modeltap.capture.backend import BackendRun, RunRequest
 from modeltap.capture.eager import model_mode
-from modeltap.capture.recorder import Recorder, Sink
+from modeltap.capture.recorder import Recorder
 from modeltap.capture.structure import STRUCTURE_FILE, OutputStructure, record_outputs
 from modeltap.errors import InputError, RunError, first_line
 from modeltap.selection import ROOT
@@ -206,23 +206,12 @@ class TorchScriptBackend:
     # record_outputs' record (saved in the archive by save_traced), or None
     outputs: dict | None = None
 
-    def run(
-        self,
-        model: nn.Module,
-        modules: list[str],
-        sink: Sink,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        inputs: bool,
-        train_mode: bool,
-        seed: int | None,
-    ) -> BackendRun:
+    def run(self, request: RunRequest) -> BackendRun:
         import torch
 
-        if inputs:
+        if request.inputs:
             raise InputError("--inputs is not available for TorchScript archives; drop it")
-        if train_mode:
+        if request.train_mode:
             raise InputError("a TorchScript archive runs as saved; drop --train-mode")
         script = self.script
         graph = script.forward.graph.copy()
@@ -235,7 +224,7 @@ class TorchScriptBackend:
                 "by an old torch); save the module again with torch.jit.save, without "
                 "torch.jit.freeze"
             )
-        selected = set(modules)
+        selected = set(request.modules)
         calls = [c for c in calls if c.module in selected]
         originals = list(graph.return_node().inputs())
         extra: list[Any] = []
@@ -256,9 +245,9 @@ class TorchScriptBackend:
             graph.registerOutput(value)
         graph.makeMultiOutputIntoTuple()
         function = torch._C._create_function_from_graph("modeltap_forward", graph)
-        flat = _positional(script, args, kwargs, self.source)
-        if seed is not None:
-            torch.manual_seed(seed)
+        flat = _positional(script, request.args, request.kwargs, self.source)
+        if request.seed is not None:
+            torch.manual_seed(request.seed)
         start = time.perf_counter()
         try:
             with torch.no_grad():
@@ -271,7 +260,7 @@ class TorchScriptBackend:
         seconds = time.perf_counter() - start
         results = results if isinstance(results, tuple) else (results,)
         output = results[0] if len(originals) == 1 else results[: len(originals)]
-        recorder = Recorder(sink)
+        recorder = Recorder(request.sink)
         structure = OutputStructure.of(self.outputs)
         for call, positions in zip(calls, slots, strict=True):
             values = [results[p] for p in positions]
@@ -289,7 +278,9 @@ class TorchScriptBackend:
             details["structure_unmatched"] = structure.unmatched
         if structure.missing:
             details["parts_not_in_graph"] = structure.missing
-        return BackendRun(recorder, details, [m for m in modules if m not in called], output)
+        return BackendRun(
+            recorder, details, [m for m in request.modules if m not in called], output
+        )
 
 
 def _positional(script: Any, args: tuple[Any, ...], kwargs: dict[str, Any], source: str) -> list:
