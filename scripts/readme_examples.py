@@ -139,6 +139,29 @@ def _picture(seed: int, width: int, height: int) -> Any:
     return make
 
 
+def _tiny_gpt2_fault(folder: Path) -> None:
+    """`./tiny-gpt2-fault` of the generation guide: the tiny GPT-2 with the position-embedding row
+    that decoding step 3 of the guide's prompt reads replaced (so the two part at step 3)."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    source = folder.parent / "tiny-gpt2"
+    if not source.exists():
+        _tiny_gpt2(source)
+    model = GPT2LMHeadModel.from_pretrained(source)
+    position = len(AutoTokenizer.from_pretrained(source)("hello world the quick")["input_ids"]) + 2
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        row = model.transformer.wpe.weight[position]
+        row.copy_(torch.randn(row.shape, generator=generator) * 2)
+    model.save_pretrained(folder)
+    for name in source.iterdir():
+        if name.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(name, folder / name.name)
+
+
 # Folders and files some examples name, made in the scratch folder the first time a command
 # mentions them.
 def _commands(block: list[str]) -> list[tuple[str, list[str]]]:
@@ -201,6 +224,7 @@ FIXTURES = {
     "runs/fault": _runs_apart,
     "./tiny-vit": _tiny_vit,
     "./tiny-gpt2": _tiny_gpt2,
+    "./tiny-gpt2-fault": _tiny_gpt2_fault,
     "cat.png": _picture(1, 64, 48),
     "dog.jpg": _picture(2, 40, 60),
 }
