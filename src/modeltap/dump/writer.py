@@ -160,11 +160,13 @@ class DumpWriter:
         reserve: int = 1 << 16,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         hist: bool = False,
+        formats: tuple[str, ...] = (),
     ) -> None:
         self.path = write_target(Path(path))
         check_writable(self.path)
         self.stats_only = stats_only
         self.hist = hist  # a histogram per tensor in its statistics (stats.HIST_EDGES)
+        self.formats = tuple(formats)  # what-if figures per float tensor (stats/formats.py)
         self.dead_threshold = dead_threshold
         self.row_mask = row_mask
         # A mask that keeps every row changes nothing: checked once here, not once per tensor;
@@ -200,8 +202,8 @@ class DumpWriter:
     def graph_stats_options(self) -> dict[str, Any] | None:
         """What a compiled graph needs to compute this dump's statistics itself
         (`stats.graph_stats`, then `computed`), or None when they need the tensors (data to
-        write, or histograms)."""
-        if not self.stats_only or self.hist:
+        write, histograms, or what-if figures)."""
+        if not self.stats_only or self.hist or self.formats:
             return None
         return {"row_mask": self._stats_mask, "dead_threshold": self.dead_threshold}
 
@@ -222,6 +224,7 @@ class DumpWriter:
             "row_mask": self._stats_mask,
             "count_zeros": count_zeros,
             "hist": self.hist,
+            "formats": self.formats,
         }
 
     def __enter__(self) -> DumpWriter:
@@ -379,6 +382,7 @@ class DumpWriter:
             row_mask=self._stats_mask,
             count_zeros=[entry[2] for entry in deferred],
             hist=self.hist,
+            formats=self.formats,
         )
         if timeline is not None:  # one span for the whole batch
             span = [start, timeline.now(), "deferred"]
@@ -478,6 +482,8 @@ class DumpWriter:
             stats_only=str(self.stats_only).lower(),
             dead_threshold=repr(float(self.dead_threshold)),
         )
+        if self.formats:
+            meta["formats"] = json.dumps(list(self.formats))
         header = json.dumps({"__metadata__": meta, **self._entries}, separators=(",", ":")).encode()
         try:
             if len(header) <= self._reserve and not self._wasted(len(header)):

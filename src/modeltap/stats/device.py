@@ -40,6 +40,7 @@ class PendingStats:
     count_zeros: bool = False
     done: TensorStats | None = None
     hist: torch.Tensor | None = None  # counts per bin, still on the device
+    formats: dict[str, dict[str, float | None]] | None = None  # with --formats (stats/formats.py)
 
     def result(self, numbers: list[float] | None = None) -> TensorStats:
         if self.done is None:
@@ -51,6 +52,8 @@ class PendingStats:
             if self.hist is not None:
                 self.done = replace(self.done, hist=self.hist.tolist())
                 self.hist = None
+            if self.formats is not None:
+                self.done = replace(self.done, formats=self.formats)
         return self.done
 
     def _finish(self, values: list[float]) -> TensorStats:

@@ -4,7 +4,8 @@ tensor: batched when small, CPU blocks, or queued device kernels), `batch_stats`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from modeltap.stats.batched import batchable, batched
 from modeltap.stats.blocks import cpu_stats
@@ -22,6 +23,7 @@ def tensor_stats(
     row_mask: torch.Tensor | None = None,
     count_zeros: bool = False,
     hist: bool = False,
+    formats: tuple[str, ...] = (),
 ) -> TensorStats:
     """Statistics of `tensor`.
 
@@ -29,6 +31,8 @@ def tensor_stats(
     when its value is <= `dead_threshold` at every position of the other dims. `row_mask` (bool,
     the shape of the tensor's first two dims, e.g. an attention mask) leaves padded positions out.
     `hist`: also count the values in the bins of HIST_EDGES (every position, masked or not).
+    `formats`: also what quantizing a float tensor in each would cost (`stats.formats`, every
+    position).
     """
     return begin_stats(
         tensor,
@@ -36,6 +40,7 @@ def tensor_stats(
         row_mask=row_mask,
         count_zeros=count_zeros,
         hist=hist,
+        formats=formats,
     ).result()
 
 
@@ -46,6 +51,7 @@ def begin_stats(
     row_mask: torch.Tensor | None = None,
     count_zeros: bool = False,
     hist: bool = False,
+    formats: tuple[str, ...] = (),
 ) -> PendingStats:
     """Start the statistics of `tensor`; `.result()` finishes them.
 
@@ -68,12 +74,16 @@ def begin_stats(
         "hist": hist,
     }
     if x.device.type == "cpu":
+        done = None
         if batchable(x):  # small: the same numbers as among others in batch_stats
             done = batched([x], dead_threshold, row_mask, [count_zeros], hist)[0]
-            if done is not None:
-                return PendingStats(base, done=done)
-        return PendingStats(base, done=cpu_stats(x, base, **options))
-    return device_stats(x, base, **options)
+        if done is None:
+            done = cpu_stats(x, base, **options)
+        return PendingStats(base, done=with_formats(done, x, formats))
+    pending = device_stats(x, base, **options)
+    if formats and x.is_floating_point():  # on the device; a few syncs a format
+        pending.formats = format_figures(x, formats)
+    return pending
 
 
 def batch_stats(
@@ -83,6 +93,7 @@ def batch_stats(
     row_mask: torch.Tensor | None = None,
     count_zeros: list[bool] | None = None,
     hist: bool = False,
+    formats: tuple[str, ...] = (),
 ) -> list[TensorStats]:
     """`tensor_stats` of many small CPU tensors at once.
 
@@ -96,7 +107,7 @@ def batch_stats(
     zeros_wanted = count_zeros or [False] * len(tensors)
     results = batched(tensors, dead_threshold, row_mask, zeros_wanted, hist)
     return [
-        done
+        with_formats(done, tensors[i], formats)
         if done is not None
         else tensor_stats(
             tensors[i],
@@ -104,6 +115,7 @@ def batch_stats(
             row_mask=row_mask,
             count_zeros=zeros_wanted[i],
             hist=hist,
+            formats=formats,
         )
         for i, done in enumerate(results)
     ]
@@ -123,6 +135,7 @@ def final_stats(
     row_mask: torch.Tensor | None = None,
     count_zeros: bool = False,
     hist: bool = False,
+    formats: tuple[str, ...] = (),
 ) -> TensorStats:
     """`tensor_stats` of a tensor nothing will change any more (a finished compiled forward),
     read where it is, in blocks of FINAL_BLOCK elements: the same fields, equal within float32
@@ -139,6 +152,19 @@ def final_stats(
     x = tensor.detach()
     floats = x.dtype in (torch.float32, torch.float64)
     if x.device.type != "cpu" or not floats or not x.numel() or batchable(x):
-        return tensor_stats(x, **options)
+        return tensor_stats(x, **options, formats=formats)
     base = {"shape": list(x.shape), "dtype": dtype_name(x.dtype), "numel": x.numel()}
-    return cpu_stats(x, base, block_elements=FINAL_BLOCK, **options)
+    return with_formats(cpu_stats(x, base, block_elements=FINAL_BLOCK, **options), x, formats)
+
+
+def format_figures(x: torch.Tensor, formats: tuple[str, ...]) -> dict[str, Any]:
+    from modeltap.stats.formats import format_errors  # imports torch: only when asked for
+
+    return format_errors(x, formats)
+
+
+def with_formats(stats: TensorStats, x: torch.Tensor, formats: tuple[str, ...]) -> TensorStats:
+    """`stats` with the what-if figures of `formats` (stats/formats.py), for a float tensor."""
+    if not formats or not x.is_floating_point() or not x.numel():
+        return stats
+    return replace(stats, formats=format_figures(x, formats))

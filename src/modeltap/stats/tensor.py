@@ -39,6 +39,8 @@ class TensorStats:
     units: int | None = None
     dead: int | None = None
     hist: list[int] | None = None  # counts per bin of HIST_EDGES, with --hist
+    # with --formats: format -> rel_rmse, sqnr_db, underflow, clipped (stats/formats.py)
+    formats: dict[str, dict[str, float | None]] | None = None
 
     @property
     def absmax(self) -> float | None:
