@@ -113,7 +113,8 @@ _LISTED_TYPES = {
     "overrides": dict,
     **dict.fromkeys(
         "chat inputs stats_only hist trust_remote_code allow_missing_weights train_mode equal_nan "
-        "upcast strict grads params use_cache compile fullgraph dynamic do_sample full kv".split(),
+        "upcast strict grads params use_cache compile fullgraph dynamic do_sample full kv "
+        "ops bisect".split(),
         bool,
     ),
     **dict.fromkeys(

@@ -61,6 +61,7 @@ def dump(
     stats_only: bool = False,
     tokenizer: Any = None,
     capture_inputs: bool = False,
+    ops: bool = False,
     train_mode: bool = False,
     seed: int | None = 0,
     dead_threshold: float = 0.0,
@@ -74,8 +75,9 @@ def dump(
     `inputs`: text (a string or a list of them: give `tokenizer=`), a dict of tensors (or what a
     tokenizer or processor returns: BatchEncoding, BatchFeature) passed as keywords, a tensor or a
     tuple of them passed positionally, or an `Inputs`. `depth`, `include`, `exclude`: which
-    modules (as `--depth`, `--include`, `--exclude`); `stats_only`: statistics without the tensors.
-    The rest as `dump_model`."""
+    modules (as `--depth`, `--include`, `--exclude`); `stats_only`: statistics without the tensors;
+    `ops`: also every op of the selected modules' own code (as `--ops`). The rest as
+    `dump_model`."""
     selection = Selection(depth=depth, include=tuple(include), exclude=tuple(exclude))
     return dump_model(
         model,
@@ -83,6 +85,7 @@ def dump(
         path,
         selection=selection,
         capture_inputs=capture_inputs,
+        ops=ops,
         train_mode=train_mode,
         seed=seed,
         stats_only=stats_only,
@@ -120,6 +123,7 @@ def dump_model(
     *,
     selection: Selection | None = None,
     capture_inputs: bool = False,
+    ops: bool = False,
     train_mode: bool = False,
     seed: int | None = 0,
     stats_only: bool = False,
@@ -141,9 +145,12 @@ def dump_model(
     `backend` (capture/compile.py, ...) runs the model another way; the keys stay the eager keys.
     `max_inflight`: bytes the writer thread may hold copied but not yet written (see `DumpWriter`).
     `hist`: a fixed-bin histogram per tensor in its statistics (`stats.HIST_EDGES`).
+    `ops`: also the ops of the selected modules' own code (capture/ops.py; eager only).
     """
     selection = selection or Selection()
     modules = select_modules(model, selection)
+    if ops:
+        _check_ops(modules, backend, grads)
     check_forward_names(model, inputs)
     mask = inputs.attention_mask
     writer = DumpWriter(
@@ -167,6 +174,7 @@ def dump_model(
         train_mode=train_mode,
         metadata=metadata,
         backend=backend,
+        ops=ops,
     )
     if grads is not None:
         options = {"mask_token_id": mask_token_id, "special_ids": special_ids}
@@ -189,6 +197,7 @@ class _Run:
     train_mode: bool
     metadata: dict[str, str] | None
     backend: Backend | None
+    ops: bool = False
 
     def metadata_for(
         self,
@@ -242,12 +251,40 @@ def _dump_activations(run: _Run, *, capture_inputs: bool) -> Path:
                 manual_seed(run.seed)
             options = {"inputs": capture_inputs, "train_mode": run.train_mode}
             with hooks(model, run.modules, sink, **options) as rec:
-                with torch.no_grad():
+                with torch.no_grad(), _ops(run, rec) as tracer:
                     run_model(model, inputs.args, inputs.kwargs)
+            if tracer is not None:
+                backend_meta["ops"] = json.dumps(tracer.meta)
         meta = run.metadata_for(
             "activations", rec, inputs_captured=capture_inputs, backend=backend_meta
         )
         return sink.writer.finish(meta)
+
+
+def _check_ops(modules: list[str], backend: Backend | None, grads: GradSpec | None) -> None:
+    """--ops needs the eager model running its own Python code, and a module to look inside."""
+    if not modules:
+        raise InputError("--ops: no module is selected; widen --depth or --include")
+    if backend is not None:
+        raise InputError(
+            f"--ops sees the torch functions of the eager model's Python code, which the "
+            f"{backend.name} backend does not run; drop --ops or --compile (an archive: load the "
+            "model it came from)"
+        )
+    if grads is not None:
+        raise InputError("--ops is for activations; drop --grads or --ops")
+
+
+@contextmanager
+def _ops(run: _Run, recorder: Any) -> Iterator[Any]:
+    """`capture.ops.op_capture` for the block when the run asked for ops; yields it or None."""
+    if not run.ops:
+        yield None
+        return
+    from modeltap.capture.ops import op_capture
+
+    with op_capture(run.model, run.modules, recorder) as tracer:
+        yield tracer
 
 
 def manual_seed(seed: int) -> None:

@@ -3,18 +3,22 @@
 Keys: `module` for a module whose output is one tensor; `module:part` for a part of a structured
 output (tuple index, dict or ModelOutput field, joined by dots); `module@N` for the N-th extra call
 of a module called more than once in one forward (the first call has no suffix); `module:in.X`
-for inputs.
+for inputs; `module/opNN.name` (`module@N/opNN.name` in an extra call) for the NN-th op a
+selected module's own code called (`dump --ops`, capture/ops.py), `:part` after it as above.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 PART_SEP = ":"
 CALL_SEP = "@"
 INPUT_PART = "in"
+OP_SEP = "/"
+_OP_PART = re.compile(r"op\d{2,}\.")
 
 
 def make_key(module: str, call: int = 0, part: str = "") -> str:
@@ -29,6 +33,12 @@ def split_key(key: str) -> tuple[str, int, str]:
     if sep and call.isdigit():
         return module, int(call), part
     return head, 0, part
+
+
+def op_owner(key: str) -> str | None:
+    """The module key (`m`, `m@1`) of an op's key (`m/op07.softmax`), None for any other key."""
+    owner, sep, op = key.partition(PART_SEP)[0].rpartition(OP_SEP)
+    return owner if sep and owner and _OP_PART.match(op) else None
 
 
 def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:

@@ -104,6 +104,7 @@ def _dump(
             path,
             selection=Selection(s.depth, tuple(s.include), tuple(s.exclude)),
             capture_inputs=s.inputs,
+            ops=s.ops,
             train_mode=s.train_mode,
             seed=s.seed,
             stats_only=s.stats_only,

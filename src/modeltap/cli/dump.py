@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     *INPUT,
     *SELECT,
     "inputs",
+    "ops",
     "out",
     "stats_only",
     "hist",

@@ -169,6 +169,13 @@ class Settings:
         panel=SELECTION,
         metavar="GLOB",
     )
+    ops: bool = option(
+        False,
+        "--ops/--no-ops",
+        help="Also capture every torch function each selected module's own code calls "
+        "(keys module/opNN.name), with its source line.",
+        panel=SELECTION,
+    )
     inputs: bool = option(
         False, "--inputs/--no-inputs", help="Also capture module inputs.", panel=SELECTION
     )

@@ -1,0 +1,132 @@
+"""`dump --ops`: inside a selected module, every torch function its own code calls
+(capture/ops.py), each value equal to plain torch computed here."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+import modeltap
+from modeltap.cli import app
+from modeltap.dump import load_dump
+from tests.fixtures import ops_models
+from tests.fixtures.ops_models import build_inplace, build_softmax
+
+runner = CliRunner()
+# transformers' log handler takes the sys.stderr of its first use: here, not a CliRunner's stream
+# that is closed when its command returns (later tests' warnings would fail to print).
+transformers.logging.get_verbosity()
+
+
+def _line_of(text: str, obj: object) -> str:
+    lines, start = inspect.getsourcelines(obj)
+    (index,) = [i for i, line in enumerate(lines) if text in line]
+    return f"{inspect.getsourcefile(obj)}:{start + index}"
+
+
+def test_softmax_op_value_and_source_line() -> None:
+    r = runner.invoke(app, ["dump", "tests.fixtures.ops_models:build_softmax", "--ops",
+                            "--include", "block", "-o", "ops.safetensors"])
+    assert r.exit_code == 0, r.output
+    dump = load_dump("ops.safetensors")
+    ops = json.loads(dump.metadata["ops"])
+    assert list(ops) == ["block/op00.matmul", "block/op01.softmax", "block/op02.mul"]
+    model, (x,) = build_softmax()
+    w = model.block.w.detach()
+    want = torch.softmax(x @ w, -1)
+    torch.testing.assert_close(dump["block/op01.softmax"], want)
+    torch.testing.assert_close(dump["block/op00.matmul"], x @ w)
+    torch.testing.assert_close(dump["block"], want * 2)
+    softmax = ops["block/op01.softmax"]
+    assert softmax["op"] == "torch.softmax"
+    assert softmax["source"] == _line_of("torch.softmax(h, -1)", ops_models.SoftmaxBlock.forward)
+    assert softmax["inputs"] == [[[3, 4], "float32"]]
+    assert not softmax["view"] and not softmax["inplace"]
+    # the head is not selected: none of its ops, nor of the model's own code
+    assert [k for k in dump.metadata["order"] if "head" in k] == []
+
+
+def test_a_later_in_place_op_leaves_the_recorded_values(tmp_path) -> None:
+    model, (x,) = build_inplace()
+    path = modeltap.dump(model, x, tmp_path / "d.safetensors", include=["block"], ops=True)
+    dump = load_dump(path)
+    ops = json.loads(dump.metadata["ops"])
+    assert list(ops) == [
+        "block/op00.exp", "block/op01.view", "block/op02.mul_", "block/op03.setitem"
+    ]
+    h = torch.exp(x)
+    torch.testing.assert_close(dump["block/op00.exp"], h)
+    torch.testing.assert_close(dump["block/op01.view"], h.reshape(-1))
+    tripled = h * 3
+    torch.testing.assert_close(dump["block/op02.mul_"], tripled.reshape(-1))
+    zeroed = tripled.clone()
+    zeroed[0] = 0.0
+    torch.testing.assert_close(dump["block/op03.setitem"], zeroed)
+    assert ops["block/op01.view"]["view"] and not ops["block/op01.view"]["inplace"]
+    assert ops["block/op02.mul_"]["inplace"] and ops["block/op03.setitem"]["inplace"]
+    assert ops["block/op02.mul_"]["source"] == _line_of(
+        "flat.mul_(3)", ops_models.ViewThenInPlace.forward
+    )
+
+
+def test_minilm_attention_probabilities_equal_output_attentions(minilm_dir, tmp_path) -> None:
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(minilm_dir)
+    model = AutoModel.from_pretrained(minilm_dir, attn_implementation="eager").eval()
+    batch = tok(["hello world", "ops inside attention"], return_tensors="pt", padding=True)
+    module = "encoder.layer.2.attention.self"
+    path = modeltap.dump(model, dict(batch), tmp_path / "m.safetensors", include=[module],
+                         ops=True)
+    with torch.no_grad():
+        want = model(**batch, output_attentions=True).attentions[2]
+    dump = load_dump(path)
+    ops = json.loads(dump.metadata["ops"])
+    (softmax,) = [k for k in ops if k.startswith(f"{module}/") and k.endswith(".softmax")]
+    torch.testing.assert_close(dump[softmax], want)
+    assert "modeling_bert.py" in ops[softmax]["source"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--compile"], "--ops sees the torch functions"),
+        (["--grads"], "--ops is for activations"),
+    ],
+)
+def test_ops_refused_in_one_line(extra, message) -> None:
+    r = runner.invoke(app, ["dump", "tests.fixtures.ops_models:build_softmax", "--ops",
+                            *extra, "-o", "x.safetensors"])
+    assert r.exit_code == 2, r.output
+    assert message in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1
+    assert not Path("x.safetensors").exists()
+
+
+def test_the_tree_shows_ops_under_their_module() -> None:
+    from rich.console import Console
+
+    from modeltap.render.tree import dump_table
+
+    r = runner.invoke(app, ["dump", "tests.fixtures.ops_models:build_softmax", "--ops",
+                            "--depth", "1", "-o", "t.safetensors"])
+    assert r.exit_code == 0, r.output
+    console = Console(width=100, color_system=None, record=True)
+    console.print(dump_table(load_dump("t.safetensors"), width=100))
+    lines = console.export_text().splitlines()
+    labels = [line.split("3×4")[0].rstrip() for line in lines if "3×4" in line]
+    assert labels == [
+        "__root__",
+        "├─ block",
+        "│  ├─ /op00.matmul",
+        "│  ├─ /op01.softmax",
+        "│  └─ /op02.mul",
+        "└─ head",
+        "   └─ /op00.linear",
+    ]
