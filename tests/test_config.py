@@ -114,7 +114,7 @@ _LISTED_TYPES = {
     **dict.fromkeys(
         "chat inputs stats_only hist trust_remote_code allow_missing_weights train_mode equal_nan "
         "upcast strict grads params use_cache compile fullgraph dynamic do_sample full kv "
-        "ops".split(),
+        "ops bisect".split(),
         bool,
     ),
     **dict.fromkeys(

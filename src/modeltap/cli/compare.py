@@ -35,6 +35,8 @@ REST = CliOption(
     "model",
     ("rest", REST),
     "against",
+    "bisect",
+    "bisect_out",
     "input_file",
     *SELECT,
     "preset",
@@ -83,6 +85,7 @@ def compare_command(
             "add --generate N or drop {flags}",
         )
     variant = parse_against(s.against)
+    _check_bisect(s, variant, generate)
     if variant.backend:  # before the weights load
         from modeltap.compare.backends import check_depth
 
@@ -136,7 +139,42 @@ def compare_command(
     )  # fmt: skip
     report.preset = preset_name
     _write_report(report, work, junit=junit, html=html, json_out=json_out, show_all=show_all)
+    if report.bisection is not None:
+        raise typer.Exit(_write_bisection(report.bisection, s.bisect_out, json_out=json_out))
     raise typer.Exit(0 if report.passed else 1)
+
+
+def _check_bisect(s: Settings, variant: Any, generate: int | None) -> None:
+    """--bisect needs a quantized variant and one forward; --bisect-out needs --bisect."""
+    if s.bisect_out is not None and not s.bisect:
+        raise InputError("--bisect-out writes what --bisect finds; add --bisect")
+    if not s.bisect:
+        return
+    if not variant.quant:
+        raise InputError(
+            "--bisect keeps modules out of a quantized variant; give --against fp8, mxfp8, "
+            "nvfp4, int8-weight or int4-weight"
+        )
+    if generate is not None:
+        raise InputError("--bisect runs one forward; drop --generate")
+    if s.bisect_out is not None:
+        from modeltap.compare.bisect import check_bisect_out
+
+        check_bisect_out(Path(s.bisect_out))
+
+
+def _write_bisection(result: Any, out: str | None, *, json_out: bool) -> int:
+    """The set to --bisect-out and (without --json) as text; 0 when the output passes with it."""
+    if out is not None:
+        from modeltap.compare.bisect import bisect_file
+
+        write_atomically(Path(out), bisect_file(result, Path(out)))
+        stderr().print(f"wrote {out}: modules_to_not_convert ({len(result.kept)})")
+    if not json_out:
+        from modeltap.render.bisect import bisect_text
+
+        stdout().print(bisect_text(result))
+    return 0 if result.passed else 1
 
 
 def _options(s: Settings, preset_name: str, *, atol: float | None, rtol: float | None) -> Any:

@@ -7,11 +7,13 @@ Reuses diff for every tensor comparison, tolerance and the first divergence.
 
 from __future__ import annotations
 
+from modeltap.compare.bisect import Bisection, bisect
 from modeltap.compare.replay import CANDIDATE_FILE, REFERENCE_FILE, Options, compare_models
 from modeltap.compare.report import REPORT_SCHEMA, CompareReport, ModuleResult
 from modeltap.compare.variants import DEFAULT_PRESET, Variant, make_candidate, parse_against
 
 __all__ = [
+    "Bisection",
     "CANDIDATE_FILE",
     "DEFAULT_PRESET",
     "REFERENCE_FILE",
@@ -20,6 +22,7 @@ __all__ = [
     "ModuleResult",
     "Options",
     "Variant",
+    "bisect",
     "compare_models",
     "make_candidate",
     "parse_against",

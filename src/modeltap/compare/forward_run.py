@@ -45,6 +45,8 @@ def compare_forward_run(
         )
     inputs = _no_cache(loaded.model, inputs, s.use_cache)
     modules = select_modules(loaded.model, Selection(s.depth, tuple(s.include), tuple(s.exclude)))
+    if s.bisect:
+        modules = _with_linears(loaded.model, candidate, modules)
     replay_note, rename = "", list(s.map)
     if variant.backend:
         from modeltap.compare.backends import COMPILED_RENAME, transform
@@ -73,6 +75,11 @@ def compare_forward_run(
                 metadata=(ref_meta, cand_meta),
             )
     report.replay_note = replay_note
+    if s.bisect:
+        from modeltap.compare.bisect import bisect
+
+        with status("bisecting: the fewest modules to keep in high precision"):
+            report.bisection = bisect(loaded.model, candidate, inputs, report, options)
     if shared:
         from modeltap.compare.variants import unchanged
 
@@ -114,12 +121,28 @@ def candidate_meta(s: Settings, candidate: Any, variant: Any) -> dict[str, str]:
     """The candidate side of a comparison's report: its model, variant, dtype and device."""
     from modeltap.compare.variants import compute_dtype, model_device
 
-    return {
+    meta = {
         "model": s.candidate or s.model or "",
         "variant": variant.label,
         "dtype": str(compute_dtype(candidate)).removeprefix("torch."),
         "device": str(model_device(candidate)),
     }
+    if variant.quant:
+        from modeltap.compare.quantize import ENGINE
+
+        meta["quantization"] = ENGINE
+    return meta
+
+
+def _with_linears(reference: Any, candidate: Any, modules: list[str]) -> list[str]:
+    """`modules` and every quantized Linear, in the model's order: --bisect ranks the Linears by
+    the local error their replay measures."""
+    from modeltap.compare.quantize import quantized
+    from modeltap.selection import ROOT
+
+    state = quantized(candidate)
+    wanted = set(modules) | set(state.linears if state else ())
+    return [n or ROOT for n, _ in reference.named_modules() if (n or ROOT) in wanted]
 
 
 def _no_cache(model: Any, inputs: Any, use_cache: bool) -> Any:

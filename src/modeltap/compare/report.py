@@ -151,6 +151,7 @@ class CompareReport:
     replay_depth: int | None = None
     replay_note: str = ""
     warnings: list[str] = field(default_factory=list)
+    bisection: Any = None  # compare.bisect.Bisection, with --bisect
 
     @property
     def origins(self) -> list[ModuleResult]:
@@ -189,6 +190,7 @@ class CompareReport:
 
     def to_json(self) -> dict[str, Any]:
         first = self.first_divergence
+        bisect = {} if self.bisection is None else {"bisect": self.bisection.to_json()}
         return {
             "schema": REPORT_SCHEMA,
             "passed": self.passed,
@@ -221,6 +223,7 @@ class CompareReport:
                 "not_compared": len(self.not_compared),
             },
             "warnings": self.warnings,
+            **bisect,
             "modules": [m.to_json() for m in self.modules],
             "cumulative": self.cumulative.to_json(),
         }

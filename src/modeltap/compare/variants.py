@@ -1,9 +1,10 @@
 """The candidate of a comparison: the reference (or a second checkpoint) made into a variant.
 
 `--against` names the variant: `bf16`, `fp16` (a copy in that dtype), `attn:IMPL` (the same
-weights with another attention implementation), `cuda` (a copy on the GPU). Copies share nothing
-they don't have to: an attention variant shares the reference's parameters, a dtype copy holds only
-its own low-precision weights.
+weights with another attention implementation), `cuda` (a copy on the GPU), `fp8`, `mxfp8`,
+`nvfp4`, `int8-weight`, `int4-weight` (every nn.Linear quantized: see `quantize`). Copies share
+nothing they don't have to: an attention variant shares the reference's parameters, a dtype copy
+holds only its own low-precision weights, a quantized one only its Linears' weights.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from modeltap.compare.quantize import RECIPES
 from modeltap.errors import InputError
 from modeltap.selection import ROOT, suggest
 
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DEVICES = ("cuda",)
 BACKENDS = ("compile", "export")
-KEYWORDS = (*DTYPES, *DEVICES, "attn:IMPL", *BACKENDS)
+KEYWORDS = (*DTYPES, *DEVICES, "attn:IMPL", *BACKENDS, *RECIPES)
 # The tolerance preset used when none is asked for, by kind of variant.
 DEFAULT_PRESET = {
     "bfloat16": "bf16",
@@ -34,6 +36,7 @@ DEFAULT_PRESET = {
     "checkpoint": "fp32",
     "compile": "compile",  # fp32 where configs/tolerances.toml has no [compile]
     "export": "fp32",
+    "quant": "bf16",  # a quantized variant is judged as bf16 is, unless --preset says otherwise
 }
 
 
@@ -45,9 +48,12 @@ class Variant:
     device: str | None = None
     attn: str | None = None
     backend: str | None = None  # compile or export: see compare.backends
+    quant: str | None = None  # fp8, mxfp8, nvfp4, int8-weight, int4-weight: see compare.quantize
 
     @property
     def label(self) -> str:
+        if self.quant:
+            return self.quant
         if self.backend:
             return self.backend
         if self.attn:
@@ -58,14 +64,16 @@ class Variant:
 
     @property
     def kind(self) -> str:
+        if self.quant:
+            return "quant"
         if self.backend:
             return self.backend
         return "attn" if self.attn else (self.device or self.dtype or "checkpoint")
 
 
 def parse_against(text: str | None) -> Variant:
-    """`bf16`, `fp16`, `fp32`, `attn:IMPL`, `cuda`, `compile` or `export`; None for a plain
-    second checkpoint."""
+    """`bf16`, `fp16`, `fp32`, `attn:IMPL`, `cuda`, `compile`, `export` or a quantized variant
+    (`fp8`, `mxfp8`, `nvfp4`, `int8-weight`, `int4-weight`); None for a plain second checkpoint."""
     if text is None:
         return Variant()
     if text in DTYPES:
@@ -76,6 +84,8 @@ def parse_against(text: str | None) -> Variant:
         return Variant(attn=text[5:])
     if text in BACKENDS:
         return Variant(backend=text)
+    if text in RECIPES:
+        return Variant(quant=text)
     guess = suggest(text, KEYWORDS)
     hint = f"did you mean '{guess}'?" if guess else "use one of " + ", ".join(KEYWORDS)
     raise InputError(f"--against '{text}' is not a variant; {hint}")
@@ -132,6 +142,10 @@ def make_candidate(base: nn.Module, variant: Variant, *, shared: bool) -> nn.Mod
             raise InputError(
                 f"attn:{variant.attn} can't be used with {type(model).__name__}: {first}"
             ) from exc
+    if variant.quant:
+        from modeltap.compare.quantize import quantize_linears
+
+        quantize_linears(model, variant.quant)
     return model.eval()
 
 
@@ -176,7 +190,7 @@ def check_same_architecture(
 def unchanged(reference: nn.Module, candidate: nn.Module, variant: Variant) -> str | None:
     """A warning when `--against` built a candidate that computes as the reference does (the
     dtype, device and attention implementation it already has): every error is then 0."""
-    if variant.backend:
+    if variant.backend or variant.quant:
         return None
     ours = (compute_dtype(reference), model_device(reference), attn_impl(reference))
     if (compute_dtype(candidate), model_device(candidate), attn_impl(candidate)) != ours:

@@ -213,6 +213,13 @@ class Settings:
         "from 1e-6 to 1e4) with its statistics, for `modeltap report`.",
         panel=OUTPUT,
     )
+    formats: str | None = option(
+        help="Also measure what quantizing each float tensor would cost in these formats "
+        "(comma-separated: fp8_e4m3, fp8_e5m2, mxfp8, mxfp4, nvfp4, int8, int4): relative RMS "
+        "error, SQNR, underflow and clipped shares, without changing the run.",
+        panel=OUTPUT,
+        metavar="FMT,...",
+    )
     revision: str | None = option(
         help="Hub revision: branch, tag or commit.", panel=LOADING, metavar="REV"
     )
@@ -430,10 +437,19 @@ class Settings:
         None,
         "--against",
         "-a",
-        help="The variant: bf16, fp16, attn:IMPL (eager, sdpa...), cuda, compile, export.",
+        help="The variant: bf16, fp16, attn:IMPL (eager, sdpa...), cuda, compile, export, or "
+        "every nn.Linear quantized: fp8, mxfp8, nvfp4, int8-weight, int4-weight.",
         metavar="VARIANT",
         panel="Variant",
     )
+    bisect: bool = option(
+        False, "--bisect", panel="Variant", help="With a quantized variant: the fewest modules "
+        "to keep in high precision for the output to pass.",
+    )
+    bisect_out: str | None = option(
+        help="Write --bisect's set as TOML or JSON (by suffix): modules_to_not_convert.",
+        metavar="FILE", panel="Variant", path=True,
+    )  # fmt: skip
     candidate: str | None = None
     out_dir: str | None = option(
         help="Keep both dumps (candidate and reference) and report.json here.",

@@ -64,6 +64,9 @@ def diff_heading(report: DiffReport) -> Text:
             f"  ({_diff_summary(differ[0])}): the preprocessing changed before layer 0"
             + (f"; {len(differ) - 1} more input tensors differ" if len(differ) > 1 else "")
         )
+    for side, keys in (("removed", report.only_a), ("inserted", report.only_b)):
+        for key in (k for k in keys if k in report.sources):  # ops the other side pairs around
+            text.append(f"\nop {side} in B: {key}  at {report.sources[key]}", style="yellow")
     mapped, structural = report.matched("mapped"), report.matched("structural")
     if mapped:
         text.append(f"\n{len(mapped)} keys paired by --map, e.g. {_arrow(mapped[0])}")
@@ -79,6 +82,8 @@ def diff_heading(report: DiffReport) -> Text:
         text.append("\nfirst divergence: ", style="bold")
         text.append(first.key, style="bold red")
         text.append(f"  ({_diff_summary(first)})")
+        if first.key in report.sources:  # an op (`dump --ops`): the line that called it
+            text.append(f"\n  at {report.sources[first.key]}")
         if downstream:
             text.append(f"\n{downstream} later tensors differ downstream of it")
     elif report.failed and not report.ordered:
@@ -652,7 +657,8 @@ def compare_heading(report: Any) -> Text:
         text.append(" " if label != "same" else "")
     if label != "same":
         text.append(label, style="bold")
-    text.append(f" ({cand.get('dtype', '?')}, {cand.get('device', '?')})\n")
+    engine = f", {cand['quantization']}" if cand.get("quantization") else ""  # emulated, torchao
+    text.append(f" ({cand.get('dtype', '?')}, {cand.get('device', '?')}{engine})\n")
     local, cumulative = report.tolerance, report.cumulative.tolerance
     for warning in report.warnings:
         text.append(f"warning: {warning}\n", style="yellow")

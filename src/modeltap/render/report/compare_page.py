@@ -219,6 +219,8 @@ def compare_page(data: dict[str, Any], *, command: str = "") -> Page:
         note="The local-error cell is coloured on a log scale (cividis: dark = smallest, yellow "
         "= largest); origins are bold.",
     ))  # fmt: skip
+    if data.get("bisect"):
+        _bisect_sections(page, data["bisect"])
     notes = []
     replay = data.get("replay", {})
     if replay.get("note"):
@@ -232,3 +234,29 @@ def compare_page(data: dict[str, Any], *, command: str = "") -> Page:
     if notes:
         page.sections.append(Section("notes", "Replay notes", items=notes))
     return page
+
+
+def _bisect_sections(page: Page, found: dict[str, Any]) -> None:
+    """`compare --bisect`: the curve of output error against modules kept, and the set."""
+    curve = found.get("curve", [])
+    page.figures["compare-bisect"] = {"data": [{
+        "type": "scatter", "mode": "lines+markers", "name": "output error",
+        "x": [step["kept"] for step in curve],
+        "y": [positive(step["output_error"]) for step in curve],
+        "marker": {"color": [OKABE_ITO[2] if s["passed"] else OKABE_ITO[5] for s in curve]},
+    }], "layout": layout(
+        "Output error with the first k modules kept in high precision",
+        "modules kept (largest local error first)", "max |a−b| / max |b| (log scale)",
+        log_y=True, height=340,
+    )}  # fmt: skip
+    kept = found.get("modules_to_not_convert", [])
+    verdict = "passes" if found.get("passed") else "does not pass"
+    page.sections.append(Section(
+        "charts", "Fewest modules to keep in high precision", charts=["compare-bisect"],
+        note=f"{len(kept)} module(s), {found.get('kept_share', 0):.2%} of the weights "
+        f"{found.get('variant')} quantizes ({found.get('engine')}); the output {verdict} with "
+        f"them kept, error {fmt(found.get('output_error'))}. Green: within tolerance.",
+    ))  # fmt: skip
+    page.sections.append(Section(
+        "notes", "modules_to_not_convert", items=kept or ["nothing needs keeping"]
+    ))

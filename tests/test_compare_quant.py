@@ -1,0 +1,195 @@
+"""compare's quantized variants (--against fp8 ... int4-weight) and --bisect, against plain torch
+models with the weights (and inputs) quantized in the test."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import tomllib
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from modeltap.cli import app
+from modeltap.compare import Options, compare_models, make_candidate, parse_against
+from modeltap.compare.bisect import bisect
+from modeltap.config import Settings, accumulated_allowance, tolerance_values
+from modeltap.diff import Tolerance
+from modeltap.errors import InputError
+from modeltap.loading import Inputs
+from modeltap.stats.formats import quantize
+from tests.fixtures.architectures import llama
+
+MINILM = Path(__file__).resolve().parents[1] / "models" / "all-MiniLM-L6-v2"
+# --against NAME: the weights' format and the inputs' (None: weights only), from the issue
+RECIPES = {
+    "fp8": ("fp8_e4m3", "fp8_e4m3"),
+    "mxfp8": ("mxfp8", "mxfp8"),
+    "nvfp4": ("nvfp4", "nvfp4"),
+    "int8-weight": ("int8", None),
+    "int4-weight": ("int4", None),
+}
+OUTLIER = "layers.0.self_attn.v_proj"
+
+
+def _plain(model: nn.Module, variant: str, keep: tuple[str, ...] = ()) -> nn.Module:
+    """`model` copied with every Linear but `keep` quantized by hand: weights swapped, inputs
+    quantized by a forward pre-hook."""
+    weights, inputs = RECIPES[variant]
+    plain = copy.deepcopy(model)
+    for name, module in plain.named_modules():
+        if not isinstance(module, nn.Linear) or name in keep:
+            continue
+        with torch.no_grad():
+            module.weight.copy_(quantize(module.weight.float(), weights))
+        if inputs is not None:
+            module.register_forward_pre_hook(lambda m, args, f=inputs: (quantize(args[0], f),))
+    return plain
+
+
+def _out(model: nn.Module, batch: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**batch).last_hidden_state
+
+
+def _within(got: torch.Tensor, want: torch.Tensor, tol: Tolerance) -> bool:
+    """The bf16 preset's rule, written out: elementwise and cosine."""
+    limit = tol.atol + tol.rtol * want.abs() + tol.scaled_atol * want.abs().max()
+    cosine = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    return bool(((got - want).abs() <= limit).all()) and float(cosine) >= (tol.min_cosine or -1)
+
+
+def _options() -> Options:
+    s = Settings()
+    values = tolerance_values(s, preset="bf16")
+    return Options(
+        tolerance=Tolerance(**{k: v for k, v in values.items() if k != "upcast"}),
+        accumulated_scaled_atol=accumulated_allowance(s, "bf16"),
+    )
+
+
+def _outlier_llama(scale: float = 1000.0) -> tuple[nn.Module, dict]:
+    model, batch = llama()
+    if scale != 1:
+        with torch.no_grad():
+            model.get_submodule(OUTLIER).weight[3] *= scale
+    return model, batch
+
+
+@pytest.mark.parametrize("variant", list(RECIPES))
+def test_variant_weights_and_output_equal_plain_torch(variant: str) -> None:
+    model, batch = llama()
+    candidate = make_candidate(model, parse_against(variant), shared=True)
+    weights, _ = RECIPES[variant]
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert linears
+    for name in linears:
+        want = quantize(model.get_submodule(name).weight.float(), weights)
+        assert torch.equal(candidate.get_submodule(name).weight, want), name
+    assert not any(torch.equal(model.get_submodule(n).weight, want) for n in linears[:1])
+    torch.testing.assert_close(_out(candidate, batch), _out(_plain(model, variant), batch))
+    # the reference is left as it was
+    torch.testing.assert_close(_out(model, batch), _out(llama()[0], batch), rtol=0, atol=0)
+
+
+def _bisect(model: nn.Module, batch: dict, tmp_path: Path, variant: str = "int8-weight"):
+    candidate = make_candidate(model, parse_against(variant), shared=True)
+    inputs = Inputs((), {**batch, "use_cache": False}, "ids")
+    modules = [n or "__root__" for n, _ in model.named_modules()]
+    report = compare_models(model, candidate, inputs, modules, tmp_path, options=_options())
+    return report, bisect(model, candidate, inputs, report, _options())
+
+
+def test_bisect_keeps_the_planted_outlier(tmp_path: Path) -> None:
+    model, batch = _outlier_llama()
+    report, found = _bisect(model, batch, tmp_path)
+    tol = _options().accumulated(_options().tolerance)
+    reference = _out(model, batch)
+    assert not report.passed
+    assert not _within(_out(_plain(model, "int8-weight"), batch), reference, tol)
+    assert found.kept == [OUTLIER] and found.passed
+    # with only that module kept, the model passes: run by hand
+    assert _within(_out(_plain(model, "int8-weight", keep=(OUTLIER,)), batch), reference, tol)
+    assert found.curve[0].passed is False and found.curve[-1].passed
+    weights = model.get_submodule(OUTLIER).weight.numel()
+    total = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    assert found.kept_parameters == sum(model.get_submodule(n).weight.numel() for n in found.kept)
+    assert found.share == pytest.approx(found.kept_parameters / total)
+    assert weights <= found.kept_parameters
+
+
+def test_bisect_without_outlier_keeps_little(tmp_path: Path) -> None:
+    model, batch = _outlier_llama(scale=1)
+    _, found = _bisect(model, batch, tmp_path)
+    assert found.passed and len(found.kept) <= 1
+
+
+def test_no_linear_has_nothing_to_quantize() -> None:
+    model = nn.Sequential(nn.Conv1d(2, 2, 1), nn.ReLU())
+    with pytest.raises(InputError, match="nothing to quantize"):
+        make_candidate(model, parse_against("int8-weight"), shared=True)
+
+
+def test_unknown_variant_lists_the_known_ones() -> None:
+    with pytest.raises(InputError) as info:
+        parse_against("int3-weight")
+    assert "int8-weight" in str(info.value) or "int4-weight" in str(info.value)
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(app, ["compare", *args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.mark.skipif(not MINILM.is_dir(), reason="needs models/all-MiniLM-L6-v2")
+def test_minilm_int8_weight_through_the_cli(tmp_path: Path) -> None:
+    out, html = tmp_path / "keep.toml", tmp_path / "page.html"
+    code, stdout, _ = _cli(
+        str(MINILM), "The cat sat on the mat.", "--against", "int8-weight", "--json",
+        "--bisect", "--bisect-out", str(out), "--html", str(html),
+    )  # fmt: skip
+    report = json.loads(stdout)
+    assert report["candidate"]["variant"] == "int8-weight"
+    assert report["candidate"]["quantization"] == "emulated"
+    found = report["bisect"]
+    assert code == (0 if found["passed"] else 1)
+    assert tomllib.loads(out.read_text())["modules_to_not_convert"] == (
+        found["modules_to_not_convert"]
+    )
+    assert found["curve"][0]["kept"] == 0 and not found["curve"][0]["passed"]
+    assert found["kept_parameters"] == sum(
+        int(torch.tensor(_shape(n)).prod()) for n in found["modules_to_not_convert"]
+    )
+    page = html.read_text()
+    assert "compare-bisect" in page
+    assert all(name in page for name in found["modules_to_not_convert"])
+
+
+def _shape(name: str) -> list[int]:
+    """A MiniLM Linear's weight shape, from its config: hidden 384, intermediate 1536."""
+    if name.endswith("intermediate.dense"):
+        return [1536, 384]
+    if name.endswith("output.dense") and ".attention." not in name:
+        return [384, 1536]
+    return [384, 384]
+
+
+@pytest.mark.skipif(not MINILM.is_dir(), reason="needs models/all-MiniLM-L6-v2")
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--against", "int3-weight"], "int8-weight"),
+        (["--against", "bf16", "--bisect"], "quantized variant"),
+        (["--against", "int8-weight", "--bisect-out", "x.toml"], "add --bisect"),
+        (["--against", "int8-weight", "--bisect", "--bisect-out", "x.yaml"], ".toml or a .json"),
+    ],
+)
+def test_bad_requests_one_line(args: list[str], message: str, tmp_path: Path) -> None:
+    args = [a.replace("x.", str(tmp_path / "x.")) for a in args]
+    code, stdout, stderr = _cli(str(MINILM), "hello", *args)
+    assert code == 2 and stdout == ""
+    assert stderr.startswith("error: ") and stderr.count("\n") == 1 and message in stderr
+    assert not list(tmp_path.iterdir())
