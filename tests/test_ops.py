@@ -16,7 +16,7 @@ import modeltap
 from modeltap.cli import app
 from modeltap.dump import load_dump
 from tests.fixtures import ops_models
-from tests.fixtures.ops_models import build_inplace, build_softmax
+from tests.fixtures.ops_models import build_inplace, build_scaled, build_softmax
 
 runner = CliRunner()
 # transformers' log handler takes the sys.stderr of its first use: here, not a CliRunner's stream
@@ -130,3 +130,35 @@ def test_the_tree_shows_ops_under_their_module() -> None:
         "└─ head",
         "   └─ /op00.linear",
     ]
+
+
+def test_diff_pairs_ops_around_an_added_op_and_names_the_first_diverging_one(tmp_path) -> None:
+    from modeltap.diff import diff_dumps
+
+    paths = []
+    for name, build in (("a", build_softmax), ("b", build_scaled)):
+        model, (x,) = build()
+        dumped = modeltap.dump(model, x, tmp_path / f"{name}.safetensors", include=["block"],
+                               ops=True)
+        paths.append(dumped)
+    report = diff_dumps(*paths)
+    assert report.only_b == ["block/op01.mul"] and report.only_a == []
+    paired = {p.key: p.other for p in report.pairs}
+    assert paired["block/op00.matmul"] == "block/op00.matmul"
+    assert paired["block/op01.softmax"] == "block/op02.softmax"
+    assert paired["block/op02.mul"] == "block/op03.mul"
+    first = report.first_divergence
+    assert first is not None and first.key == "block/op01.softmax"
+    w = model.block.w.detach()
+    want = (torch.softmax(x @ w, -1) - torch.softmax(1.5 * (x @ w), -1)).abs().max().item()
+    assert first.max_abs == pytest.approx(want, rel=1e-5)
+    line = _line_of("torch.softmax(h, -1)", ops_models.SoftmaxBlock.forward)
+    assert report.sources[first.key] == line
+    assert report.to_json()["first_divergence_source"] == line
+
+    r = runner.invoke(app, ["diff", str(paths[0]), str(paths[1])])
+    assert r.exit_code == 1, r.output
+    added = _line_of("h = h * 1.5", ops_models.ScaledSoftmaxBlock.forward)
+    said = " ".join(r.output.split())  # however the console wrapped it
+    assert f"op inserted in B: block/op01.mul at {added}" in said
+    assert "first divergence: block/op01.softmax" in said and f"at {line}" in said

@@ -15,7 +15,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from modeltap.diff.keymap import KeyRule, apply_map, parse_map, structural_matches
+from modeltap.diff.keymap import KeyRule, apply_map, op_matches, parse_map, structural_matches
 from modeltap.diff.pairs import Pair, _Buffers, compare, failure_message
 from modeltap.diff.tolerance import Tolerance
 from modeltap.dump import Dump, load_dump
@@ -72,6 +72,8 @@ class DiffReport:
     # (A's key, B's key, "mapped" or "structural") for every key paired other than by its name,
     # aliases included (their pair is listed once, under the first key)
     matches: list[tuple[str, str, str]] = field(default_factory=list)
+    # op key -> the source line that called it (`dump --ops`), A's ops then B's
+    sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def failed(self) -> list[Pair]:
@@ -110,6 +112,7 @@ class DiffReport:
             "tolerance": asdict(self.tolerance),
             "ordered": self.ordered,
             "first_divergence": first.key if first else None,
+            "first_divergence_source": self.sources.get(first.key) if first else None,
             "counts": {
                 "compared": len(self.pairs),
                 "failed": len(self.failed),
@@ -256,9 +259,17 @@ def diff_dumps(
         pairs.append(pair)
     ordered = da.order is not None
     matches = [(k, *partner[k]) for k in keys_a if k in partner and partner[k][1]]
-    return DiffReport(
+    report = DiffReport(
         da.path, db.path, tolerance, pairs, only_a, only_b, changes, ordered, strict, matches
     )
+    report.sources = {**_op_sources(db), **_op_sources(da)}
+    return report
+
+
+def _op_sources(dump: Dump) -> dict[str, str]:
+    """Op key -> its source line, from a `dump --ops` dump's `ops` metadata."""
+    ops = json.loads(dump.metadata.get("ops", "{}"))
+    return {key: op["source"] for key, op in ops.items() if op.get("source")}
 
 
 def _open(
@@ -286,10 +297,17 @@ def _open(
 def _partners(
     da: Dump, db: Dump, keys_a: Sequence[str], rules: Sequence[KeyRule], *, structural: bool
 ) -> dict[str, tuple[str, str | None]]:
-    """A's key -> (B's key, how it was found: None by its name, "mapped" or "structural")."""
-    mapped = {k: apply_map(k, rules) for k in keys_a}
-    keys_b = set(db.keys())
-    partner = {k: (m, "mapped" if m != k else None) for k, m in mapped.items() if m in keys_b}
+    """A's key -> (B's key, how it was found: None by its name, "mapped", "structural", or
+    "op": an op paired by module, position and name across an op inserted or removed)."""
+    from modeltap.capture.keys import op_owner
+
+    ops_a = [k for k in keys_a if op_owner(k) is not None]
+    ops_b = [k for k in db.keys() if op_owner(k) is not None]
+    partner = {k: (m, None if m == k else "op") for k, m in op_matches(ops_a, ops_b).items()}
+    op_keys = set(ops_a)
+    mapped = {k: apply_map(k, rules) for k in keys_a if k not in op_keys}
+    keys_b = set(db.keys()) - set(ops_b)
+    partner |= {k: (m, "mapped" if m != k else None) for k, m in mapped.items() if m in keys_b}
     if structural:
         taken = {other for other, _ in partner.values()}
         unmatched_b = [k for k in db.keys() if k not in taken]

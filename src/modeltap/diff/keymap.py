@@ -181,6 +181,35 @@ def structural_matches(
     return found
 
 
+def op_matches(keys_a: Sequence[str], keys_b: Sequence[str]) -> dict[str, str]:
+    """Pairs of op keys (`dump --ops`: `m/op07.softmax`), A's to B's, by module call, position
+    and op name: each module call's ops aligned as two sequences of names (difflib's longest
+    matching blocks), so an op inserted or removed on one side shifts the numbers after it
+    without unpairing them, and is left on its side alone."""
+    from difflib import SequenceMatcher
+
+    from modeltap.capture.keys import op_owner
+
+    def by_owner(keys: Sequence[str]) -> dict[str, list[tuple[str, str]]]:
+        groups: dict[str, list[tuple[str, str]]] = {}
+        for key in keys:
+            owner = op_owner(key)
+            if owner is not None:  # the name after `opNN.`, with its `:part`
+                name = key[len(owner) + 1 :].partition(".")[2]
+                groups.setdefault(owner, []).append((name, key))
+        return groups
+
+    groups_b = by_owner(keys_b)
+    found: dict[str, str] = {}
+    for owner, ops_a in by_owner(keys_a).items():
+        ops_b = groups_b.get(owner, [])
+        names_a, names_b = [n for n, _ in ops_a], [n for n, _ in ops_b]
+        matcher = SequenceMatcher(None, names_a, names_b, autojunk=False)
+        for i, j, size in matcher.get_matching_blocks():
+            found.update((ops_a[i + k][1], ops_b[j + k][1]) for k in range(size))
+    return found
+
+
 def sides(a: Sequence[K], b: Sequence[K]) -> tuple[list[K], list[K], list[K]]:
     """(in both, in A only, in B only), each in its side's order: the steps (or keys) two diffs
     pair by name."""
