@@ -193,3 +193,13 @@ def test_bad_requests_one_line(args: list[str], message: str, tmp_path: Path) ->
     assert code == 2 and stdout == ""
     assert stderr.startswith("error: ") and stderr.count("\n") == 1 and message in stderr
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(not MINILM.is_dir(), reason="needs models/all-MiniLM-L6-v2")
+def test_bisect_on_a_passing_compare_keeps_nothing() -> None:
+    code, stdout, _ = _cli(
+        str(MINILM), "hello", "--against", "int8-weight", "--bisect", "--preset", "tf32",
+        "--atol", "1",
+    )
+    assert code == 0
+    assert "bisect: nothing needs keeping" in stdout and "\nthe output is within" in stdout

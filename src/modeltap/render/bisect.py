@@ -17,8 +17,8 @@ def bisect_text(result: Any) -> Text:
     if first is not None and first.passed:
         text.append("bisect: nothing needs keeping", style="bold green")
         text.append(
-            f": the output is within tolerance with every Linear {result.variant} "
-            f"({result.engine}), error {first.error:.3g}"
+            f": with every Linear {result.variant} ({result.engine}),\nthe output is within "
+            f"tolerance (error {first.error:.3g})"
         )
         return text
     if not result.passed:
