@@ -21,7 +21,7 @@ from modeltap.diff import Tolerance
 from modeltap.errors import InputError
 from modeltap.loading import Inputs
 from modeltap.stats.formats import quantize
-from tests.fixtures.architectures import llama
+from tests.fixtures.architectures import gpt2, llama
 
 MINILM = Path(__file__).resolve().parents[1] / "models" / "all-MiniLM-L6-v2"
 # --against NAME: the weights' format and the inputs' (None: weights only), from the issue
@@ -48,6 +48,26 @@ def _plain(model: nn.Module, variant: str, keep: tuple[str, ...] = ()) -> nn.Mod
         if inputs is not None:
             module.register_forward_pre_hook(lambda m, args, f=inputs: (quantize(args[0], f),))
     return plain
+
+
+@pytest.mark.parametrize("variant", ["int4-weight", "nvfp4"])
+def test_gpt2_conv1d_is_quantized_along_its_input_features(variant: str) -> None:
+    model, batch = gpt2()
+    candidate = make_candidate(model, parse_against(variant), shared=True)
+    weights, inputs = RECIPES[variant]
+    plain = copy.deepcopy(model)
+    conv1d = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
+    assert conv1d
+    for name in conv1d:
+        module = plain.get_submodule(name)
+        # Conv1D computes x @ W + b with W [in, out]: a Linear's weight is W.T
+        want = quantize(module.weight.t().float(), weights).t()
+        assert torch.equal(candidate.get_submodule(name).weight, want), name
+        with torch.no_grad():
+            module.weight.copy_(want)
+        if inputs is not None:
+            module.register_forward_pre_hook(lambda m, args, f=inputs: (quantize(args[0], f),))
+    torch.testing.assert_close(_out(candidate, batch), _out(plain, batch))
 
 
 def _out(model: nn.Module, batch: dict) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Quantized variants of `compare`: every `nn.Linear`'s weight quantized then dequantized (and,
-for the fp8 / MX / NV variants, its input activations too) with the recipes of `stats.formats`.
+for the fp8 / MX / NV variants, its input activations too) with the recipes of `stats.formats`;
+transformers' Conv1D (GPT-2's Linears) counts as one.
 
 The weights are quantized once, in a copy that shares every other tensor with the reference, so
 the replay calls each candidate Linear as it is and measures the error it introduces. Which
@@ -89,11 +90,14 @@ def quantize_linears(model: nn.Module, variant: str) -> Quantized:
     weights, activations = RECIPES[variant]
     state = Quantized(variant)
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        transposed = _is_conv1d(module)
+        if not isinstance(module, nn.Linear) and not transposed:
             continue
         original = module.weight
         with torch.no_grad():
-            quantized = nn.Parameter(_quantize(original.detach(), weights), requires_grad=False)
+            value = original.detach()
+            value = _quantize(value.t(), weights).t() if transposed else _quantize(value, weights)
+            quantized = nn.Parameter(value.contiguous(), requires_grad=False)
         hook = None
         if activations is not None:
             hook = _QuantizeInput(activations)
@@ -102,7 +106,8 @@ def quantize_linears(model: nn.Module, variant: str) -> Quantized:
     if not state.linears:
         raise InputError(
             f"--against {variant}: the variant has nothing to quantize ({type(model).__name__} "
-            "has no nn.Linear); compare it with --against bf16 or a quantized CANDIDATE instead"
+            "has no nn.Linear nor transformers Conv1D); compare it with --against bf16 or a "
+            "quantized CANDIDATE instead"
         )
     state.keep()
     _STATES[model] = state
@@ -112,6 +117,13 @@ def quantize_linears(model: nn.Module, variant: str) -> Quantized:
 def quantized(model: nn.Module) -> Quantized | None:
     """The quantized Linears of a candidate `quantize_linears` made, or None."""
     return _STATES.get(model)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2's Linear, its weight stored as [in, out]): its blocks and
+    groups run along the input features, as a Linear's do."""
+    kind = type(module)
+    return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers.")
 
 
 def _quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
