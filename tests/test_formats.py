@@ -4,6 +4,7 @@ on that grid in numpy, the scales of each recipe in float32 numpy arithmetic."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 from modeltap.errors import InputError
-from modeltap.stats.formats import FORMATS, check_formats, format_error, quantize
+from modeltap.stats.formats import E4M3 as E4M3_T
+from modeltap.stats.formats import E5M2 as E5M2_T
+from modeltap.stats.formats import FORMATS, check_formats, format_error, quantize, round_float_
 
 
 def _grid(exp_bits: int, man_bits: int, bias: int, fmax: float) -> np.ndarray:
@@ -138,7 +141,10 @@ def _tensors() -> dict[str, torch.Tensor]:
     nans[1, 3] = float("nan")
     nans[2, :] = float("nan")
     nans[4, 9] = float("inf")
+    far = torch.randn(2, 48, generator=g)
+    far[0] *= 1e8  # nvfp4: row 1's block scales round to 0 in E4M3, so the blocks decode to 0
     return {
+        "far": far,
         "random": torch.randn(8, 128, generator=g),
         "outliers": outliers,
         "subnormal": wide,
@@ -160,26 +166,39 @@ def test_quantize_matches_the_specification(fmt: str, kind: str) -> None:
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("kind", ["random", "outliers", "subnormal", "nan", "zeros"])
-def test_format_error_figures(fmt: str, kind: str) -> None:
-    x = _tensors()[kind]
+def reference_figures(x: torch.Tensor, fmt: str) -> dict[str, float | None]:
+    """rel_rmse, sqnr_db, underflow and clipped from `reference`, in float64 numpy."""
     q, v = reference(x, fmt)
     xa = x.float().numpy().astype(np.float64)
     finite = np.isfinite(xa)
     xf, qf, vf = xa[finite], q[finite].astype(np.float64), v[finite]
     nonzero = xf != 0
     norm = np.linalg.norm(xf)
-    rel = np.linalg.norm(qf - xf) / norm if norm else 0.0
-    got = format_error(x, fmt)
-    assert got["rel_rmse"] == pytest.approx(rel, rel=1e-5, abs=1e-12)
-    if rel:
-        assert got["sqnr_db"] == pytest.approx(-20 * math.log10(rel), abs=1e-4)
-    else:
-        assert got["sqnr_db"] is None
+    rel = float(np.linalg.norm(qf - xf) / norm) if norm else 0.0
     count = max(int(nonzero.sum()), 1)
-    assert got["underflow"] == ((qf == 0) & nonzero).sum() / count
-    assert got["clipped"] == (np.abs(vf) > HALF_STEP[fmt]).sum() / count
+    return {
+        "rel_rmse": rel,
+        "sqnr_db": -20 * math.log10(rel) if rel else None,
+        "underflow": ((qf == 0) & nonzero).sum() / count,
+        "clipped": (np.abs(vf) > HALF_STEP[fmt]).sum() / count,
+    }
+
+
+def assert_figures(got: dict, want: dict) -> None:
+    assert got["rel_rmse"] == pytest.approx(want["rel_rmse"], rel=1e-5, abs=1e-12)
+    if want["sqnr_db"] is None:
+        assert got["sqnr_db"] is None
+    else:
+        assert got["sqnr_db"] == pytest.approx(want["sqnr_db"], abs=1e-4)
+    assert got["underflow"] == pytest.approx(want["underflow"], abs=1e-12)
+    assert got["clipped"] == pytest.approx(want["clipped"], abs=1e-12)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", ["random", "outliers", "subnormal", "nan", "zeros", "bf16"])
+def test_format_error_figures(fmt: str, kind: str) -> None:
+    x = _tensors()[kind]
+    assert_figures(format_error(x, fmt), reference_figures(x, fmt))
 
 
 def test_outliers_clip_in_mx_and_underflow_in_int8() -> None:
@@ -193,3 +212,148 @@ def test_unknown_format_lists_the_known_ones() -> None:
     with pytest.raises(InputError, match="known formats: fp8_e4m3, fp8_e5m2, mxfp8"):
         check_formats(["int8", "fp6"])
     assert check_formats(["INT8", " mxfp4", "int8", ""]) == ["int8", "mxfp4"]
+
+
+def _outlier_model(scale: float) -> torch.nn.Module:
+    """Linear -> LayerNorm -> Linear (output row 7 scaled by `scale`) -> LayerNorm -> Linear."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64),
+        torch.nn.LayerNorm(64),
+        torch.nn.Linear(64, 64),
+        torch.nn.LayerNorm(64),
+        torch.nn.Linear(64, 16),
+    )
+    with torch.no_grad():
+        model[2].weight[7] *= scale
+        model[2].bias[7] *= scale
+    return model.eval()
+
+
+def test_dump_figures_equal_the_reference_from_the_dumped_tensors(tmp_path) -> None:
+    from safetensors import safe_open
+
+    import modeltap
+
+    x = torch.randn(4, 21, 32, generator=torch.Generator().manual_seed(3))
+    path = modeltap.dump(_outlier_model(50.0), x, tmp_path / "d.safetensors", formats=FORMATS)
+    stats = json.loads(safe_open(path, "pt").metadata()["stats"])
+    with safe_open(path, "pt") as f:
+        keys = list(f.keys())
+        assert keys
+        for key in keys:
+            tensor = f.get_tensor(key)
+            for fmt in FORMATS:
+                assert_figures(stats[key]["formats"][fmt], reference_figures(tensor, fmt))
+
+
+def test_bf16_tensors_are_measured_against_their_own_values(tmp_path) -> None:
+    from safetensors import safe_open
+
+    import modeltap
+
+    model = _outlier_model(1.0).to(torch.bfloat16)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(4)).bfloat16()
+    path = modeltap.dump(model, x, tmp_path / "b.safetensors", formats=["fp8_e5m2", "nvfp4"])
+    stats = json.loads(safe_open(path, "pt").metadata()["stats"])
+    with safe_open(path, "pt") as f:
+        for key in f.keys():
+            tensor = f.get_tensor(key)
+            assert tensor.dtype == torch.bfloat16
+            for fmt in ("fp8_e5m2", "nvfp4"):
+                assert_figures(stats[key]["formats"][fmt], reference_figures(tensor, fmt))
+
+
+def _worst(entries: list[dict], fmt: str, figure: str) -> str:
+    with_fmt = [e for e in entries if "formats" in e]
+    pick = min if figure == "sqnr_db" else max
+    return pick(with_fmt, key=lambda e: e["formats"][fmt][figure])["key"]
+
+
+@pytest.mark.parametrize(
+    ("scale", "fmt", "figure"),
+    [
+        (30.0, "int8", "sqnr_db"),  # the other channels rounded to a few steps of int8
+        (1e5, "int8", "underflow"),  # ... or to zero
+        (1e5, "fp8_e4m3", "underflow"),  # below e4m3's smallest subnormal after amax scaling
+    ],
+)
+def test_a_planted_outlier_channel_is_the_worst(tmp_path, scale, fmt, figure) -> None:
+    from modeltap.dump import load_dump
+    from modeltap.render.tree import dump_json
+
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(5))
+    path = tmp_path / "o.safetensors"
+    modeltap_dump(_outlier_model(scale), x, path, formats=[fmt], stats_only=True)
+    entries = dump_json(load_dump(path))["tensors"]
+    assert _worst(entries, fmt, figure) == "2"
+    plain = tmp_path / "p.safetensors"
+    modeltap_dump(_outlier_model(1.0), x, plain, formats=[fmt], stats_only=True)
+    planted = next(e for e in entries if e["key"] == "2")["formats"][fmt][figure]
+    unplanted = next(e for e in dump_json(load_dump(plain))["tensors"] if e["key"] == "2")
+    if figure == "sqnr_db":
+        assert planted < unplanted["formats"][fmt][figure] - 10
+    else:
+        assert planted > 0.2 and unplanted["formats"][fmt][figure] < 0.05
+
+
+def modeltap_dump(*args, **kwargs):
+    import modeltap
+
+    return modeltap.dump(*args, **kwargs)
+
+
+def test_minilm_dump_with_formats_through_the_cli(minilm_dir, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from modeltap.cli import app
+
+    out = tmp_path / "m.safetensors"
+    args = ["dump", str(minilm_dir), "The cat sat on the mat.", "--formats", ",".join(FORMATS)]
+    result = CliRunner().invoke(app, [*args, "--stats-only", "--json", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    tensors = json.loads(result.stdout)["tensors"]
+    assert len(tensors) > 10
+    for entry in tensors:
+        assert set(entry["formats"]) == set(FORMATS)
+        for figures in entry["formats"].values():
+            assert set(figures) == {"rel_rmse", "sqnr_db", "underflow", "clipped"}
+            assert 0 < figures["rel_rmse"] < 1
+    # E4M3 keeps 3 mantissa bits: about 31 dB on any tensor amax scaling leaves in range
+    assert all(e["formats"]["fp8_e4m3"]["sqnr_db"] > 25 for e in tensors)
+    shown = CliRunner().invoke(app, ["show", str(out)], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    header = next(line for line in shown.stdout.splitlines() if line.startswith("module"))
+    words = header.split()
+    assert words[words.index("dead") + 1 :][:7] == list(FORMATS)  # before "same tensor as"
+
+
+def test_an_unknown_format_is_one_line_and_no_file(minilm_dir, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from modeltap.cli import app
+
+    out = tmp_path / "m.safetensors"
+    args = ["dump", str(minilm_dir), "hi", "--formats", "int8,fp6", "-o", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == [
+        "error: unknown format 'fp6'; known formats: fp8_e4m3, fp8_e5m2, mxfp8, mxfp4, nvfp4, "
+        "int8, int4"
+    ]
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("element", "dtype"), [(E4M3_T, torch.float8_e4m3fn), (E5M2_T, torch.float8_e5m2)]
+)
+def test_the_fp8_rounding_is_torchs_float8_cast(element, dtype) -> None:
+    g = torch.Generator().manual_seed(8)
+    fmax = element[2]
+    v = torch.randn(4096, generator=g) * 10.0 ** torch.empty(4096).uniform_(-6, 2.6, generator=g)
+    v = v.clamp(-fmax, fmax)
+    grid = torch.tensor(E4M3 if dtype == torch.float8_e4m3fn else E5M2, dtype=torch.float32)
+    ties = (grid[1:] + grid[:-1]) / 2  # exactly half-way: the even one
+    v = torch.cat([v, ties, -ties])
+    assert torch.equal(round_float_(v.clone(), element), v.to(dtype).float())

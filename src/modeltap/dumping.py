@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 # Header bytes reserved per hooked module (statistics, entry and order of a few keys each).
 _RESERVE_PER_MODULE = 1536
+_RESERVE_PER_FORMAT = 128  # with --formats: four figures a format
 
 
 def default_out(model: str, *, grads_only: bool = False) -> Path:
@@ -66,6 +67,7 @@ def dump(
     seed: int | None = 0,
     dead_threshold: float = 0.0,
     hist: bool = False,
+    formats: Sequence[str] = (),
     metadata: dict[str, str] | None = None,
 ) -> Path:
     """`modeltap.dump(model, inputs, path, depth=3)`: run `model` on `inputs` with its modules
@@ -76,7 +78,8 @@ def dump(
     tokenizer or processor returns: BatchEncoding, BatchFeature) passed as keywords, a tensor or a
     tuple of them passed positionally, or an `Inputs`. `depth`, `include`, `exclude`: which
     modules (as `--depth`, `--include`, `--exclude`); `stats_only`: statistics without the tensors;
-    `ops`: also every op of the selected modules' own code (as `--ops`). The rest as
+    `ops`: also every op of the selected modules' own code (as `--ops`); `formats`: what
+    quantizing each float tensor in those formats would cost (as `--formats`). The rest as
     `dump_model`."""
     selection = Selection(depth=depth, include=tuple(include), exclude=tuple(exclude))
     return dump_model(
@@ -92,6 +95,7 @@ def dump(
         dead_threshold=dead_threshold,
         metadata=metadata,
         hist=hist,
+        formats=formats,
     )
 
 
@@ -136,6 +140,7 @@ def dump_model(
     backend: Backend | None = None,
     max_inflight: int = DEFAULT_MAX_INFLIGHT,
     hist: bool = False,
+    formats: Sequence[str] = (),
 ) -> Path:
     """Run `model` on `inputs` with the selected modules hooked and stream a dump to `out`.
 
@@ -145,9 +150,14 @@ def dump_model(
     `backend` (capture/compile.py, ...) runs the model another way; the keys stay the eager keys.
     `max_inflight`: bytes the writer thread may hold copied but not yet written (see `DumpWriter`).
     `hist`: a fixed-bin histogram per tensor in its statistics (`stats.HIST_EDGES`).
+    `formats`: the low-precision what-if figures of each float tensor (stats/formats.py).
     `ops`: also the ops of the selected modules' own code (capture/ops.py; eager only).
     """
     selection = selection or Selection()
+    if formats:
+        from modeltap.stats.formats import check_formats
+
+        formats = tuple(check_formats(formats))
     modules = select_modules(model, selection)
     if ops:
         _check_ops(modules, backend, grads)
@@ -159,9 +169,12 @@ def dump_model(
         dead_threshold=dead_threshold,
         row_mask=None if mask is None else mask.bool(),
         reserve=4096
-        + _RESERVE_PER_MODULE * len(modules) * (1 + (capture_inputs or grads is not None)),
+        + (_RESERVE_PER_MODULE + _RESERVE_PER_FORMAT * len(formats))
+        * len(modules)
+        * (1 + (capture_inputs or grads is not None)),
         max_inflight=max_inflight,
         hist=hist,
+        formats=tuple(formats),
     )
     run = _Run(
         model,

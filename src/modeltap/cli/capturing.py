@@ -74,6 +74,7 @@ def _checked_request(s: Settings, activations: bool) -> tuple[Path, Any]:
         raise InputError("nothing to run on; give TEXT, an image or audio FILE, or --input-file")
     if s.max_inflight_mb < 0:
         raise InputError(f"--max-inflight is {s.max_inflight_mb}; give MiB >= 0 (0 writes inline)")
+    _formats(s)
     path = Path(s.out) if s.out else default_out(s.model, grads_only=not activations)
     check_writable(path)
     if check_placement(s) is not None:
@@ -117,7 +118,15 @@ def _dump(
             backend=backend,
             max_inflight=s.max_inflight_mb << 20,
             hist=s.hist,
+            formats=_formats(s),
         )
+
+
+def _formats(s: Settings) -> tuple[str, ...]:
+    """--formats as names, or an InputError that lists the known ones."""
+    from modeltap.stats.formats import check_formats
+
+    return tuple(check_formats(s.formats.split(","))) if s.formats else ()
 
 
 def _print_written(written: Path, loaded: Any, *, json_out: bool) -> None:

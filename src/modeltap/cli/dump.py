@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     "out",
     "stats_only",
     "hist",
+    "formats",
     "json_out",
     *LOAD,
     "max_length",

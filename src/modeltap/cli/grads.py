@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     *SELECT,
     "out",
     "stats_only",
+    "formats",
     "json_out",
     *LOAD,
     "max_length",

@@ -52,6 +52,8 @@ METADATA_KEYS = {
     "skipped": "JSON object: key -> type name of outputs that are not tensors (None is counted)",
     "skipped_none": "number of None outputs",
     "stats": "JSON object: stored key -> statistics (see stats.TensorStats)",
+    "formats": "JSON list, with --formats: the formats each float tensor's statistics hold "
+    "'formats' figures of (rel_rmse, sqnr_db, underflow, clipped)",
     "stats_only": "'true' when no tensor data was written",
     "dead_threshold": "threshold used for dead units",
     "grad": "JSON, with gradients: target, loss, grad_output, seed, wrt, no_path, jacobian...",

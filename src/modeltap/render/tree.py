@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 DEAD_WARN = 0.5
 # Terminals at least this wide get the extra columns (dtype, std, min, max, aliases).
 WIDE = 120
+# A --formats column shows SQNR in dB: below FORMAT_BAD_DB (a relative RMS error above 10%) in
+# red, below FORMAT_WARN_DB (above about 3%) in yellow.
+FORMAT_BAD_DB = 20.0
+FORMAT_WARN_DB = 30.0
 
 
 def _plain_table() -> Table:
@@ -136,6 +140,7 @@ def dump_table(dump: Dump, *, width: int = 80) -> Table | Text:
     loses its start (`…self.query.weight`), keeping the end that tells tensors apart.
     """
     walked = list(_walk(_module_tree(activation_keys(dump)), None, ""))
+    formats = dump_formats(dump)
     # The wide columns where they fit, else the narrow ones: Rich's table, which shares out what
     # width there is, is the last resort (it measures every cell: 0.16 s for 114 rows).
     for wide in [True, False] if width >= WIDE else [False]:
@@ -146,10 +151,14 @@ def dump_table(dump: Dump, *, width: int = 80) -> Table | Text:
                 continue
             stats = dump.stats_for(key)
             cells = _stats_cells("", stats, wide=wide, alias_of=dump.aliases.get(key))
+            if formats and stats is not None:  # before the alias column
+                at = len(cells) - 1 if wide else len(cells)
+                cells[at:at] = format_cells(stats, formats)
             rows.append((label, cells[1:]))
-        headers = ["shape", "norm", "mean", "absmax", "nan/inf", "dead"]
+        headers = ["shape", "norm", "mean", "absmax", "nan/inf", "dead", *formats]
         if wide:
             headers = ["shape", "dtype", "norm", "mean", "std", "min", "max", "nan/inf", "dead"]
+            headers += formats
             if dump.aliases:
                 headers.append("same tensor as")
         widths = [len(h) for h in headers]
@@ -257,6 +266,29 @@ def _stats_cells(
     cells.append(_dead_cell(stats, wide=wide, style=style))
     if wide:
         cells.append(Text(alias_of or "", style="dim"))
+    return cells
+
+
+def dump_formats(dump: Dump) -> list[str]:
+    """The formats a dump written with --formats holds figures of (metadata `formats`)."""
+    return list(json.loads(dump.metadata.get("formats", "[]")))
+
+
+def format_cells(stats: TensorStats, formats: Sequence[str]) -> list[Text]:
+    """SQNR in dB per format, coloured by FORMAT_BAD_DB / FORMAT_WARN_DB; `-` for none (not a
+    float tensor), `inf` where quantizing changes nothing."""
+    cells = []
+    for name in formats:
+        figures = (stats.formats or {}).get(name)
+        if figures is None:
+            cells.append(Text("-"))
+            continue
+        db = figures.get("sqnr_db")
+        if db is None:
+            cells.append(Text("inf"))
+            continue
+        style = "red" if db < FORMAT_BAD_DB else "yellow" if db < FORMAT_WARN_DB else ""
+        cells.append(Text(f"{db:.1f}", style=style))
     return cells
 
 

@@ -157,14 +157,17 @@ def final_stats(
     return with_formats(cpu_stats(x, base, block_elements=FINAL_BLOCK, **options), x, formats)
 
 
-def format_figures(x: torch.Tensor, formats: tuple[str, ...]) -> dict[str, Any]:
+def format_figures(
+    x: torch.Tensor, formats: tuple[str, ...], *, finite: bool | None = None
+) -> dict[str, Any]:
     from modeltap.stats.formats import format_errors  # imports torch: only when asked for
 
-    return format_errors(x, formats)
+    return format_errors(x, formats, finite=finite)
 
 
 def with_formats(stats: TensorStats, x: torch.Tensor, formats: tuple[str, ...]) -> TensorStats:
     """`stats` with the what-if figures of `formats` (stats/formats.py), for a float tensor."""
     if not formats or not x.is_floating_point() or not x.numel():
         return stats
-    return replace(stats, formats=format_figures(x, formats))
+    finite = not (stats.nan or stats.inf)  # counted already: no pass to look for them again
+    return replace(stats, formats=format_figures(x, formats, finite=finite))
