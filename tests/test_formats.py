@@ -357,3 +357,31 @@ def test_the_fp8_rounding_is_torchs_float8_cast(element, dtype) -> None:
     ties = (grid[1:] + grid[:-1]) / 2  # exactly half-way: the even one
     v = torch.cat([v, ties, -ties])
     assert torch.equal(round_float_(v.clone(), element), v.to(dtype).float())
+
+
+def test_record_stores_the_figures_of_activations_and_gradients(tmp_path) -> None:
+    from safetensors import safe_open
+
+    import modeltap
+
+    model = _outlier_model(30.0).train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(6)
+    fmts = ("int8", "mxfp8")
+    with modeltap.record(model, tmp_path / "run", every=1, stats_only=False, formats=fmts) as rec:
+        for _ in range(2):
+            model(torch.randn(16, 32, generator=g)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+    path = tmp_path / "run" / "step000001.rank0.safetensors"
+    stats = json.loads(safe_open(path, "pt").metadata()["stats"])
+    with safe_open(path, "pt") as f:
+        keys = [k for k in f.keys() if k in stats]
+        assert any(k.startswith("grad/") for k in keys) and any("/" not in k for k in keys)
+        for key in keys:
+            tensor = f.get_tensor(key)
+            for fmt in fmts:
+                assert_figures(stats[key]["formats"][fmt], reference_figures(tensor, fmt))
+    with pytest.raises(InputError, match="known formats"):
+        modeltap.record(model, tmp_path / "bad", formats=["fp6"])

@@ -832,8 +832,8 @@ def test_record_takes_the_options_as_keywords_declared_once(tmp_path: Path) -> N
         "every": 100, "grads": True, "params": True, "stats_only": True, "full_every": None,
         "include": (), "exclude": (), "depth": None, "on_nonfinite": "raise", "rules": None,
         "gather": False, "dead_threshold": 0.0, "start_step": None, "hist": False,
-        "eval": False, "eval_batches": 1, "scaler": None, "resume": False, "overwrite": False,
-        "keep_last": 8, "flight": False, "eager_tripwire": False,
+        "formats": (), "eval": False, "eval_batches": 1, "scaler": None, "resume": False,
+        "overwrite": False, "keep_last": 8, "flight": False, "eager_tripwire": False,
     }  # fmt: skip
     params = inspect.signature(record).parameters
     assert list(params)[:2] == ["model", "out_dir"]

@@ -45,6 +45,7 @@ class Evaluations:
                 * len(self._modules)
                 * (self.options.eval_batches or 4),
                 hist=self.options.hist,
+                formats=tuple(self.options.formats),
             )
             self._eval_writer.__enter__()
             self._eval_recorder = Recorder(self._eval_writer)

@@ -45,6 +45,8 @@ class RecordOptions:
     # keeps it. Left out, a new run starts at 0 and a resumed one after its last step.
     start_step: int | None = None
     hist: bool = False
+    # the low-precision what-if figures of each float tensor (stats/formats.py), checked when made
+    formats: Sequence[str] = ()
     eval: bool = False
     eval_batches: int | None = 1
     scaler: Any = None
@@ -83,6 +85,10 @@ class RecordOptions:
         if self.flight and self.on_nonfinite == "off":
             raise InputError("flight=True needs the tripwire; drop on_nonfinite='off'")
         self.flight = self.flight or self.on_nonfinite.startswith("dump")
+        if self.formats:
+            from modeltap.stats.formats import check_formats
+
+            self.formats = tuple(check_formats(self.formats))
         self.rules = list(default_rules() if self.rules is None else self.rules)
 
     def selection(self) -> Selection:

@@ -259,6 +259,8 @@ def record(
     `modeltap.record` logger, and `step()` returns them. Under torchrun each rank writes its own
     files; `gather=True` writes sharded (DTensor) tensors whole, on rank 0 only.
     `hist`: each step file's statistics get a fixed-bin histogram per tensor (`stats.HIST_EDGES`).
+    `formats`: each float tensor's statistics (activations, gradients, parameters) get what
+    quantizing it in those formats would cost (`dump --formats`; stats/formats.py).
 
     A step holds the training forward and backward only; forwards under no_grad/inference_mode
     or with the model in eval mode are evaluations: `eval=True` writes the first `eval_batches`

@@ -76,8 +76,11 @@ class StepFiles:
             self.out_dir / step_file_name(self.step_index, self.rank.rank),
             stats_only=not full,
             dead_threshold=self.options.dead_threshold,
-            reserve=8192 + (RESERVE_PER_KEY + 384 * self.options.hist) * keys,  # 43 counts a key
+            # 43 counts a key with hist, four figures a format with formats
+            reserve=8192
+            + (RESERVE_PER_KEY + 384 * self.options.hist + 128 * len(self.options.formats)) * keys,
             hist=self.options.hist,
+            formats=tuple(self.options.formats),
         )
         writer.__enter__()
         self._writer = writer

@@ -40,7 +40,10 @@ class TripFiles:
         path = self.out_dir / step_file_name(self.step_index, self.rank.rank)
         self._flight: dict[str, Any] | None = None
         with DumpWriter(
-            path, dead_threshold=self.options.dead_threshold, hist=self.options.hist
+            path,
+            dead_threshold=self.options.dead_threshold,
+            hist=self.options.hist,
+            formats=tuple(self.options.formats),
         ) as writer:
             recorder = Recorder(writer)
             fill(writer, recorder)
