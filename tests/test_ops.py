@@ -162,3 +162,55 @@ def test_diff_pairs_ops_around_an_added_op_and_names_the_first_diverging_one(tmp
     said = " ".join(r.output.split())  # however the console wrapped it
     assert f"op inserted in B: block/op01.mul at {added}" in said
     assert "first divergence: block/op01.softmax" in said and f"at {line}" in said
+
+
+def test_compare_ops_names_the_line_that_cancels_in_bf16(tmp_path) -> None:
+    from modeltap.compare import Options, compare_models, make_candidate, parse_against
+    from modeltap.compare.ops import blame_ops
+    from modeltap.diff import Tolerance
+    from modeltap.loading import Inputs
+    from tests.fixtures.ops_models import Cancelling, build_cancelling
+
+    model, (x,) = build_cancelling()
+    candidate = make_candidate(model, parse_against("bf16"), shared=True)
+    inputs = Inputs((x,), {}, {})
+    modules = ["inp", "block", "block.fc", "out"]
+    bf16 = Options(tolerance=Tolerance(atol=1e-5, rtol=1.6e-2))  # torch.testing's for bf16
+    report = compare_models(model, candidate, inputs, modules, tmp_path, options=bf16)
+    assert report.origins[0].name == "block"
+    blame = blame_ops(model, candidate, inputs, "block")
+    worst = blame.worst
+    lines = [_line_of(t, Cancelling.forward) for t in ("h + 4096.0", "big - 4096.0")]
+    assert worst is not None and worst.source in lines
+    # its error, against plain torch: the op run in bf16 from the float32 inputs it was given
+    h = model.block.fc(torch.tanh(model.inp(x))).detach()
+    big = h + 4096.0
+    back = big.bfloat16() - 4096.0
+    want = ((back.double() - (big - 4096.0).double()).norm() / (big - 4096.0).double().norm())
+    assert worst.key == "block/op02.sub" and worst.error == pytest.approx(want.item(), rel=1e-6)
+    others = [o.error for o in blame.ops if o is not worst]
+    assert all(e is not None and e < worst.error / 10 for e in others)
+    assert blame.path() == "block > op02.sub"
+
+
+def test_compare_ops_in_the_cli_names_module_and_op(minilm_dir) -> None:
+    r = runner.invoke(app, ["compare", str(minilm_dir), "hello world", "--against", "bf16",
+                            "--ops", "--include", "encoder.layer.0.attention.self*",
+                            "--preset", "exact", "--json"])
+    assert r.exit_code == 1, r.output
+    report = json.loads(r.stdout)
+    worst = report["origins"][0]["module"]
+    ops = report["ops"]
+    assert ops["module"] == worst and ops["path"] == f"{worst} > {ops['op']['key'].split('/')[1]}"
+    assert ops["op"]["error"] == max(o["error"] for o in ops["ops"] if o["error"] is not None)
+    assert ops["op"]["source"].rpartition(":")[2].isdigit()
+    text = runner.invoke(app, ["compare", str(minilm_dir), "hello world", "--against", "bf16",
+                               "--ops", "--include", "encoder.layer.0.attention.self*",
+                               "--preset", "exact"])
+    assert f"op: {ops['path']}" in " ".join(text.output.split())
+
+
+def test_compare_ops_refused_with_generate(minilm_dir) -> None:
+    r = runner.invoke(app, ["compare", str(minilm_dir), "hi", "--against", "bf16", "--ops",
+                            "--generate", "2"])
+    assert r.exit_code == 2 and "--ops runs the eager variant's ops" in r.output, r.output

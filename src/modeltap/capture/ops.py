@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 
     from modeltap.capture.recorder import Recorder, Sink
 
-# Frames of these packages are not the model's code: an op's source line is the innermost other.
-_NOT_MODEL_CODE = frozenset({"torch", "modeltap"})
+# torch's own modules (Linear, LayerNorm): their code is the caller's code where no other is.
+_MODULES = "torch.nn.modules."
 
 
 def op_name(func: Any) -> str:
@@ -110,16 +110,29 @@ class OpTracer:
         return out
 
     def _source(self) -> str:
-        frame = sys._getframe(1)
-        while frame is not None and _package(frame) in _NOT_MODEL_CODE:
-            frame = frame.f_back
-        if frame is None:
-            return ""
-        return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        return source_line()
 
 
 # Calls that return a tensor without computing one: attribute reads and the mode's own plumbing.
 _NOT_OPS = frozenset({"__get__", "__set__", "__torch_function__"})
+
+
+def source_line() -> str:
+    """`file:line` of the innermost frame of the model's code (outside torch and modeltap).
+
+    Where torch's own module code is the caller's (compare --ops runs a Linear by itself), the
+    innermost frame of it (`torch/nn/modules/linear.py`)."""
+    frame = sys._getframe(1)
+    while frame is not None and _package(frame) == "modeltap":  # the mode's handler
+        frame = frame.f_back
+    module_code = None
+    while frame is not None and _package(frame) == "torch":
+        if module_code is None and frame.f_globals.get("__name__", "").startswith(_MODULES):
+            module_code = frame
+        frame = frame.f_back
+    if frame is None or _package(frame) == "modeltap":
+        frame = module_code
+    return "" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 def _package(frame: Any) -> str:

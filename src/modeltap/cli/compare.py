@@ -37,6 +37,7 @@ REST = CliOption(
     "against",
     "bisect",
     "bisect_out",
+    "ops",
     "input_file",
     *SELECT,
     "preset",
@@ -86,6 +87,11 @@ def compare_command(
         )
     variant = parse_against(s.against)
     _check_bisect(s, variant, generate)
+    if s.ops and (generate is not None or variant.backend):
+        raise InputError(
+            "--ops runs the eager variant's ops on one forward; drop --ops, or --generate and "
+            "--against compile/export"
+        )
     if variant.backend:  # before the weights load
         from modeltap.compare.backends import check_depth
 

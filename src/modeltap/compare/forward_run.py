@@ -80,6 +80,12 @@ def compare_forward_run(
 
         with status("bisecting: the fewest modules to keep in high precision"):
             report.bisection = bisect(loaded.model, candidate, inputs, report, options)
+    if s.ops and report.origins:
+        from modeltap.compare.ops import blame_ops
+
+        origin = report.origins[0].name
+        with status(f"running the ops of {origin} one by one"):
+            report.op_blame = blame_ops(loaded.model, candidate, inputs, origin, seed=s.seed)
     if shared:
         from modeltap.compare.variants import unchanged
 

@@ -152,6 +152,7 @@ class CompareReport:
     replay_note: str = ""
     warnings: list[str] = field(default_factory=list)
     bisection: Any = None  # compare.bisect.Bisection, with --bisect
+    op_blame: Any = None  # compare.ops.OpBlame, with --ops: the worst origin's ops
 
     @property
     def origins(self) -> list[ModuleResult]:
@@ -224,6 +225,7 @@ class CompareReport:
             },
             "warnings": self.warnings,
             **bisect,
+            **({} if self.op_blame is None else {"ops": self.op_blame.to_json()}),
             "modules": [m.to_json() for m in self.modules],
             "cumulative": self.cumulative.to_json(),
         }

@@ -175,6 +175,13 @@ class Settings:
         help="Also capture every torch function each selected module's own code calls "
         "(keys module/opNN.name), with its source line.",
         panel=SELECTION,
+        variants={
+            "compare": {
+                "help": "Inside the module that introduces the largest error, run its ops one "
+                "by one in the variant from the reference's inputs and name the op (and source "
+                "line) that introduces the largest error."
+            }
+        },
     )
     inputs: bool = option(
         False, "--inputs/--no-inputs", help="Also capture module inputs.", panel=SELECTION

@@ -689,6 +689,11 @@ def compare_heading(report: Any) -> Text:
             text.append(f"  local error {fmt(module.local_error)}\n")
         if len(origins) > DIFF_ROWS:
             text.append(f"  ... {len(origins) - DIFF_ROWS} more (--json lists all)\n")
+    worst_op = None if report.op_blame is None else report.op_blame.worst
+    if worst_op is not None:  # --ops: inside the worst origin, the op its error comes from
+        text.append("op: ", style="bold")
+        text.append(report.op_blame.path(), style="bold red")
+        text.append(f"  relative error {fmt(worst_op.error)} at {worst_op.source}\n")
     first = report.first_divergence
     if not origins and not report.passed:
         text.append("no origin: every module's own error is within tolerance, yet the\n")
