@@ -109,6 +109,19 @@ def test_ops_refused_in_one_line(extra, message) -> None:
     assert not Path("x.safetensors").exists()
 
 
+def test_ops_refused_for_a_torchscript_archive(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    model, (x,) = build_softmax()
+    torch.jit.save(torch.jit.trace(model, (x,)), tmp_path / "m.pt")
+    save_file({"x": x}, tmp_path / "x.safetensors")
+    r = runner.invoke(app, ["dump", str(tmp_path / "m.pt"), "--input-file",
+                            str(tmp_path / "x.safetensors"), "--ops", "-o", "ts.safetensors"])
+    assert r.exit_code == 2, r.output
+    assert "--ops sees the torch functions" in r.output and "torchscript" in r.output
+    assert len(r.output.strip().splitlines()) == 1 and not Path("ts.safetensors").exists()
+
+
 def test_the_tree_shows_ops_under_their_module() -> None:
     from rich.console import Console
 
