@@ -657,7 +657,8 @@ def compare_heading(report: Any) -> Text:
         text.append(" " if label != "same" else "")
     if label != "same":
         text.append(label, style="bold")
-    text.append(f" ({cand.get('dtype', '?')}, {cand.get('device', '?')})\n")
+    engine = f", {cand['quantization']}" if cand.get("quantization") else ""  # emulated, torchao
+    text.append(f" ({cand.get('dtype', '?')}, {cand.get('device', '?')}{engine})\n")
     local, cumulative = report.tolerance, report.cumulative.tolerance
     for warning in report.warnings:
         text.append(f"warning: {warning}\n", style="yellow")
