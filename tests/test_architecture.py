@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,3 +93,41 @@ def test_each_lazy_facade_declares_its_names_once() -> None:
         assert list(module.__all__) == sorted(module.__all__), package
         for name in module.__all__:
             assert getattr(module, name) is not None, (package, name)
+
+
+def _package_docstring() -> str:
+    return ast.get_docstring(ast.parse((SRC / "modeltap" / "__init__.py").read_text())) or ""
+
+
+def _map_lines() -> list[str]:
+    """The lines of the package docstring's map: indented, starting with a package or module."""
+    return [
+        line.strip()
+        for line in _package_docstring().splitlines()
+        if line.startswith("    ") and re.match(r"[\w/]+(/|\.py)\s", line.strip() + " ")
+    ]
+
+
+def test_the_map_of_the_house_names_every_stage_and_only_what_exists() -> None:
+    """The package docstring draws the stages and the package that holds each: every package or
+    module it names exists (a name in an entry's text is looked up in that entry's package, then
+    at the top), and every public package and module of src/modeltap has its line."""
+    top = SRC / "modeltap"
+    lines = _map_lines()
+    assert len(lines) >= 10, lines
+    entries = []
+    for line in lines:
+        first, _, text = line.partition(" ")
+        entries.append(first)
+        assert (top / first).exists(), first
+        for name in re.findall(r"(?<![\w./-])(\w+(?:/|\.py))(?![\w/])", text):
+            here = top / first if first.endswith("/") else top
+            assert (here / name).exists() or (top / name).exists(), (first, name)
+    public = {
+        p.name + ("/" if p.is_dir() else "")
+        for p in top.iterdir()
+        if (p.suffix == ".py" or (p / "__init__.py").is_file()) and not p.name.startswith("_")
+    }
+    assert public <= set(entries), sorted(public - set(entries))
+    stages = "load -> select -> capture -> stats -> write -> render / diff / compare"
+    assert stages in " ".join(_package_docstring().split())

@@ -1,5 +1,26 @@
 """modeltap: per-layer activations of PyTorch and Hugging Face models, from one command.
 
+The house: data flows one way, load -> select -> capture -> stats -> write -> render / diff /
+compare, and each stage has one place, named for it, beside this file:
+
+    loading/        load: models (Hub, archives, factories, placement), inputs; resolve.py for all
+    selection.py    select: the module tree -> the selected names (depth, include, exclude)
+    capture/        capture: keys, the recorder, one module per backend (eager, compile, fx...)
+    stats/          stats: per-tensor statistics, one module per path (CPU blocks, device, graph)
+    dump/           write: the safetensors format (format.py, writer.py, reader.py)
+    dumping.py      the dump verb: load, select, capture, stats and write in one call
+    render/         render: Rich tables and trees, and report/ (the HTML pages); only cli/ prints
+    diff/           diff: two dumps, two generations or two runs -> a report, one tolerance model
+    compare/        compare: two variants of a model, and the module where they part (replay)
+    grads/          gradients: one forward and one backward, streamed into a dump
+    generate/       decoding: model.generate() with every step's forward captured
+    record/         training runs: record(), the non-finite tripwire, rules, flight records
+    integrations/   recording inside transformers' Trainer and Lightning
+    exporting.py    the export verb: a model as a .pt2 or TorchScript archive that dump reads
+    config/         the option declarations and the Settings built from them (files.py: TOML, env)
+    cli/            the commands: app.py, then one module per command (parse, call a verb, render)
+    errors.py       ModeltapError, whose messages say what to do; _version.py holds the version
+
 The public API is imported lazily so that `import modeltap` (and `modeltap --help`) stays instant.
 `capture` and `record` are verbs here and packages beside this file: `over_package` imports each
 package before its verb is bound, so `modeltap.record` is the verb after any import, and the
