@@ -109,7 +109,7 @@ def _example_calls(
     import torch
 
     from modeltap.capture import run_model
-    from modeltap.compare.replay import _cast
+    from modeltap.compare.replayer import _cast
 
     calls: dict[str, tuple[Any, Any]] = {}
     handles = []

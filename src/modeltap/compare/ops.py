@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from modeltap.capture import flatten, run_model
 from modeltap.capture.ops import op_name, qualified_name, source_line
-from modeltap.compare.replay import _cast, _module_dtype_device
+from modeltap.compare.replayer import _cast, _module_dtype_device
 from modeltap.compare.variants import compute_dtype, model_device
 from modeltap.errors import InputError, first_line
 from modeltap.selection import ROOT
