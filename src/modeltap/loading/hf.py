@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from torch import nn
 
-    from modeltap.loading.placement import DeviceMap
+    from modeltap.loading.placement import DeviceMap, Placement
 
 # Weights of other frameworks and exports that a PyTorch run never reads.
 _IGNORE_PATTERNS = [
@@ -187,7 +187,6 @@ def load_model(
     with) raises MissingWeightsError: transformers would initialise them at random. With
     `allow_missing_weights` the model loads and `missing_weights` lists them.
     """
-    import torch
     import transformers
 
     from modeltap.loading import placement as placing
@@ -203,22 +202,89 @@ def load_model(
         target = pick_device(device)
         placing.check_dtype(dtype.value, target)
     else:
-        memory = placement.max_memory
-        if torch.cuda.is_available() and (
-            memory is None or any(isinstance(k, int) for k in memory)
-        ):
-            placing.check_dtype(dtype.value, "cuda")
-        if memory is not None:
-            meta, _ = load_meta_model(
-                name,
-                revision=revision,
-                model_class_name=model_class_name,
-                trust_remote_code=trust_remote_code,
-                dtype=dtype,
-            )
-            placing.check_fits(meta, memory)
-            del meta
+        _check_placement(
+            placement,
+            name,
+            revision=revision,
+            model_class_name=model_class_name,
+            trust_remote_code=trust_remote_code,
+            dtype=dtype,
+        )
         extra = placement.from_pretrained_kwargs()
+    model, info, held = _from_pretrained(
+        cls, source, name, model_class_name, dtype, trust_remote_code, extra
+    )
+    missing = missing_parameters(model, info.get("missing_keys") or ())
+    if missing and not allow_missing_weights:
+        raise MissingWeightsError(
+            _missing_message(name, type(model).__name__, missing, source.path),
+            model_class=type(model).__name__,
+            missing=missing,
+        )
+    held.let_through()
+    if placement is None:
+        model.to(target).eval()
+        return Loaded(
+            model,
+            source,
+            dtype=dtype.value,
+            device=target,
+            model_class=type(model).__name__,
+            missing_weights=missing,
+        )
+    model.eval()
+    return Loaded(
+        model,
+        source,
+        dtype=dtype.value,
+        device=str(placing.input_device(model)),
+        model_class=type(model).__name__,
+        device_map=dict(getattr(model, "hf_device_map", None) or {}),
+        missing_weights=missing,
+    )
+
+
+def _check_placement(
+    placement: Placement,
+    name: str,
+    *,
+    revision: str | None,
+    model_class_name: str,
+    trust_remote_code: bool,
+    dtype: DType,
+) -> None:
+    """Refuse a device map that can't hold the model: a dtype the GPU lacks, too little memory."""
+    import torch
+
+    from modeltap.loading import placement as placing
+
+    memory = placement.max_memory
+    if torch.cuda.is_available() and (memory is None or any(isinstance(k, int) for k in memory)):
+        placing.check_dtype(dtype.value, "cuda")
+    if memory is not None:
+        meta, _ = load_meta_model(
+            name,
+            revision=revision,
+            model_class_name=model_class_name,
+            trust_remote_code=trust_remote_code,
+            dtype=dtype,
+        )
+        placing.check_fits(meta, memory)
+        del meta
+
+
+def _from_pretrained(
+    cls: Any,
+    source: ModelSource,
+    name: str,
+    model_class_name: str,
+    dtype: DType,
+    trust_remote_code: bool,
+    extra: dict[str, Any],
+) -> tuple[Any, dict[str, Any], _HeldLogs]:
+    """`cls.from_pretrained` with its loading info, transformers' log held back (returned)."""
+    import torch
+
     # accelerate warns that offloaded weights sit on the meta device: that is the plan, not news.
     quiet = logging.getLogger("accelerate.big_modeling")
     level = quiet.level
@@ -260,34 +326,7 @@ def load_model(
     finally:
         quiet.setLevel(level)
         transformers_log.handlers, transformers_log.propagate = handlers, propagate
-    missing = missing_parameters(model, info.get("missing_keys") or ())
-    if missing and not allow_missing_weights:
-        raise MissingWeightsError(
-            _missing_message(name, type(model).__name__, missing, source.path),
-            model_class=type(model).__name__,
-            missing=missing,
-        )
-    held.let_through()
-    if placement is None:
-        model.to(target).eval()
-        return Loaded(
-            model,
-            source,
-            dtype=dtype.value,
-            device=target,
-            model_class=type(model).__name__,
-            missing_weights=missing,
-        )
-    model.eval()
-    return Loaded(
-        model,
-        source,
-        dtype=dtype.value,
-        device=str(placing.input_device(model)),
-        model_class=type(model).__name__,
-        device_map=dict(getattr(model, "hf_device_map", None) or {}),
-        missing_weights=missing,
-    )
+    return model, info, held
 
 
 class _HeldLogs(logging.Handler):
