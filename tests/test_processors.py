@@ -25,7 +25,8 @@ from typer.testing import CliRunner
 
 from modeltap.cli import app
 from modeltap.errors import InputError
-from modeltap.loading.processors import Kind, classify, resample, sort_inputs
+from modeltap.loading.audio import resample
+from modeltap.loading.processors import Kind, classify, sort_inputs
 from tests.fixtures.media import (
     build_clip,
     build_convnext,

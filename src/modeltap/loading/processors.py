@@ -8,22 +8,23 @@ runs and `modeltap --help` never need them.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
-import math
 import os
-from collections.abc import Collection, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from modeltap.errors import InputError, first_line
+from modeltap.loading.audio import (
+    Audio,
+    audio_padding,
+    import_extra,
+    read_recordings,
+    sampling_rate,
+)
 from modeltap.loading.inputs import Inputs, _sha256
-
-if TYPE_CHECKING:
-    import numpy as np
 
 
 class Kind(str, Enum):
@@ -195,7 +196,7 @@ def inputs_from(
 
 def read_image(path: Path) -> Any:
     """An RGB PIL image turned upright by its EXIF orientation, as transformers' load_image does."""
-    pil = _import("PIL.Image", "vision")
+    pil = import_extra("PIL.Image", "vision")
     from PIL import ImageOps
 
     try:
@@ -205,144 +206,6 @@ def read_image(path: Path) -> Any:
             return image.convert("RGB")
     except (OSError, ValueError, SyntaxError) as exc:  # Pillow's kinds for a corrupt file
         raise InputError(f"can't read image '{path}' ({first_line(exc)}); check the file") from exc
-
-
-@dataclass
-class Audio:
-    """One recording as mono float32 at the processor's rate, and what was done to get there."""
-
-    wave: np.ndarray
-    rate: int
-    note: str | None = None
-    # A recording longer than the feature extractor's window: its length, and the window kept.
-    seconds: float = 0.0
-    window_s: float | None = None
-
-
-def read_audio(path: Path, rate: int) -> Audio:
-    """Mono float32 samples at `rate`: channels averaged, other rates resampled (with a note).
-    A file holding fewer frames than its header says (cut off in a copy or a download) is
-    refused: libsndfile reads what is there without a word."""
-    sf = _import("soundfile", "audio")
-    try:
-        with _quiet_stderr():  # mpg123 prints its own warnings about a damaged MP3
-            declared = sf.info(str(path)).frames
-            data, file_rate = sf.read(str(path), dtype="float32", always_2d=True)
-    except Exception as exc:  # soundfile raises LibsndfileError (a RuntimeError) or others
-        raise InputError(f"can't read audio '{path}' ({first_line(exc)}); check the file") from exc
-    if data.shape[0] == 0:
-        raise InputError(f"audio '{path}' has no samples; give a recording that is not empty")
-    declared, slack = _declared_frames(path, declared)
-    if declared is not None and data.shape[0] < declared - slack:
-        raise InputError(
-            f"audio '{path}' is truncated: its header says {declared} frames and it holds "
-            f"{data.shape[0]}; give the whole file"
-        )
-    wave = data.mean(axis=1, dtype="float32") if data.shape[1] > 1 else data[:, 0]
-    notes = []
-    if data.shape[1] > 1:
-        notes.append(f"{data.shape[1]} channels mixed down to mono")
-    if file_rate != rate:
-        wave = resample(wave, file_rate, rate)
-        notes.append(f"resampled from {file_rate} Hz to {rate} Hz")
-    return Audio(wave, rate, "; ".join(notes) or None)
-
-
-def _declared_frames(path: Path, libsndfile_frames: int) -> tuple[int | None, int]:
-    """(frames the file's header promises, how many fewer may be read) for the formats that
-    say: a WAV's data chunk size (libsndfile reports what is there instead), FLAC's STREAMINFO
-    total, and an MP3's Xing, Info or VBRI count (libsndfile's `frames`, with two MP3 frames of
-    slack for encoder delay and padding; without such a header the count is only estimated
-    from the size). None where the header holds no count."""
-    with open(path, "rb") as f:
-        head = f.read(12)
-        if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
-            return _wav_frames(f), 0
-        if head.startswith(b"fLaC"):
-            return libsndfile_frames or None, 0
-        if _has_frame_count(f, head):
-            return libsndfile_frames or None, 2 * 1152
-    return None, 0
-
-
-def _has_frame_count(f: Any, head: bytes) -> bool:
-    """An MP3 whose first frame is a Xing, Info or VBRI header (after any ID3v2 tag)."""
-    start = 0
-    if head.startswith(b"ID3") and len(head) >= 10:
-        size = (head[6] & 0x7F) << 21 | (head[7] & 0x7F) << 14 | (head[8] & 0x7F) << 7
-        start = 10 + (size | (head[9] & 0x7F)) + (10 if head[5] & 0x10 else 0)
-    f.seek(start)
-    frame = f.read(200)
-    if len(frame) < 4 or frame[0] != 0xFF or (frame[1] & 0xE6) != 0xE2:
-        return False
-    return any(tag in frame for tag in (b"Xing", b"Info", b"VBRI"))
-
-
-def _wav_frames(f: Any) -> int | None:
-    """The frame count of a RIFF WAVE's data chunk size, read after the 12-byte RIFF header;
-    None for a streaming writer's placeholder size (0 or 0xFFFFFFFF)."""
-    import struct
-
-    block_align = None
-    while True:
-        chunk = f.read(8)
-        if len(chunk) < 8:
-            return None
-        name, size = chunk[:4], struct.unpack("<I", chunk[4:])[0]
-        if name == b"fmt ":
-            fmt = f.read(size + (size & 1))
-            if len(fmt) < 14:
-                return None
-            block_align = struct.unpack("<H", fmt[12:14])[0]
-            continue
-        if name == b"data":
-            if block_align in (None, 0) or size in (0, 0xFFFFFFFF):
-                return None
-            return size // block_align
-        f.seek(size + (size & 1), os.SEEK_CUR)
-
-
-@contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """File descriptor 2 to /dev/null: C libraries write their warnings there directly."""
-    try:
-        saved = os.dup(2)
-    except OSError:
-        yield
-        return
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def resample(wave: np.ndarray, orig: int, new: int) -> np.ndarray:
-    """Windowed-sinc resampling, the same numbers as torchaudio.functional.resample's defaults
-    (Hann window, 6 zero crossings, rolloff 0.99), which the audio pipelines use."""
-    import numpy as np
-    import torch
-
-    gcd = math.gcd(int(orig), int(new))
-    orig, new = int(orig) // gcd, int(new) // gcd
-    width_zeros, rolloff = 6, 0.99
-    base = min(orig, new) * rolloff
-    width = math.ceil(width_zeros * orig / base)
-    x = torch.from_numpy(np.ascontiguousarray(wave, dtype=np.float32))
-    idx = torch.arange(-width, width + orig, dtype=x.dtype)[None, None] / orig
-    t = torch.arange(0, -new, -1, dtype=x.dtype)[:, None, None] / new + idx
-    t *= base
-    t = t.clamp_(-width_zeros, width_zeros)
-    window = torch.cos(t * math.pi / width_zeros / 2) ** 2
-    t *= math.pi
-    kernel = torch.where(t == 0, torch.tensor(1.0).to(t), t.sin() / t)
-    kernel *= window * (base / orig)
-    padded = torch.nn.functional.pad(x[None], (width, width + orig))
-    out = torch.nn.functional.conv1d(padded[:, None], kernel, stride=orig)
-    out = out.transpose(1, 2).reshape(1, -1)[0]
-    return out[: math.ceil(new * x.shape[0] / orig)].numpy()
 
 
 def load_processor(
@@ -410,6 +273,23 @@ def _parts(processor: Any) -> _Parts:
     return _Parts(tokenizer=processor)
 
 
+def _check_parts(parts: _Parts, media: Media, name: str, offered: Offered) -> None:
+    """Refuse images, audio or texts the processor has no part for."""
+    for given, part, what, has in (
+        (media.images, parts.image, "images", "an image processor"),
+        (media.audio, parts.audio, "audio", "a feature extractor"),
+    ):
+        if given and part is None:
+            fixes = ["give text"]
+            if _has(offered, "--processor"):
+                fixes.append(f"--processor with one that has {has}")
+            raise InputError(f"the model's processor ({name}) takes no {what}; {_either(fixes)}")
+    if media.texts and parts.tokenizer is None:
+        raise InputError(
+            f"the model's processor ({name}) takes no text; give only image or audio files"
+        )
+
+
 def processor_inputs(
     processor: Any,
     media: Media,
@@ -424,29 +304,11 @@ def processor_inputs(
     such file's entry says so (`window_s`, `seconds`, `note`)."""
     parts = _parts(processor)
     name = type(processor).__name__
-    for given, part, what, has in (
-        (media.images, parts.image, "images", "an image processor"),
-        (media.audio, parts.audio, "audio", "a feature extractor"),
-    ):
-        if given and part is None:
-            fixes = ["give text"]
-            if _has(offered, "--processor"):
-                fixes.append(f"--processor with one that has {has}")
-            raise InputError(f"the model's processor ({name}) takes no {what}; {_either(fixes)}")
-    if media.texts and parts.tokenizer is None:
-        raise InputError(
-            f"the model's processor ({name}) takes no text; give only image or audio files"
-        )
+    _check_parts(parts, media, name, offered)
     prompt = _chat_prompt(processor, media, offered) if chat else None
     images = [read_image(p) for p in media.images]
-    rate = int(getattr(parts.audio, "sampling_rate", 0) or 16000)
-    sounds = [read_audio(p, rate) for p in media.audio]
-    window = _window(parts.audio)
-    for sound in sounds:
-        if window is not None and len(sound.wave) > window:
-            sound.seconds, sound.window_s = len(sound.wave) / rate, window / rate
-            cut = f"cut to the feature extractor's {sound.window_s:g} s window"
-            sound.note = f"{sound.note}; {cut}" if sound.note else cut
+    rate = sampling_rate(parts.audio)
+    sounds = read_recordings(media.audio, parts.audio)
     waves = [a.wave for a in sounds]
     texts = list(media.texts)
     if prompt is not None:
@@ -459,7 +321,7 @@ def processor_inputs(
             encoded = parts.image(images=images, return_tensors="pt")
         elif media.audio and not media.texts and not media.images:
             encoded = parts.audio(
-                waves, sampling_rate=rate, return_tensors="pt", **_audio_padding(parts.audio, waves)
+                waves, sampling_rate=rate, return_tensors="pt", **audio_padding(parts.audio, waves)
             )
         else:
             call: dict[str, Any] = {"return_tensors": "pt", **text_options}
@@ -479,8 +341,22 @@ def processor_inputs(
             message += "; or add --chat to build the prompt with its chat template"
         raise InputError(message) from exc
     kwargs = {k: v for k, v in dict(encoded).items() if hasattr(v, "shape")}
+    description = _description(processor, media, texts, prompt, sounds, max_length)
+    description["tensors"] = {k: list(v.shape) for k, v in kwargs.items()}
+    return Inputs((), kwargs, description)
+
+
+def _description(
+    processor: Any,
+    media: Media,
+    texts: list[str],
+    prompt: str | None,
+    sounds: list[Audio],
+    max_length: int | None,
+) -> dict[str, Any]:
+    """The dump's `inputs` entry for a processor's batch: the processor, texts, files."""
     description: dict[str, Any] = {
-        "processor": name,
+        "processor": type(processor).__name__,
         "processor_sha256": processor_hash(processor),
         "processor_settings": processor_settings(processor),
     }
@@ -497,21 +373,7 @@ def processor_inputs(
     description["files"] = files
     if max_length is not None:
         description["max_length"] = max_length
-    description["tensors"] = {k: list(v.shape) for k, v in kwargs.items()}
-    return Inputs((), kwargs, description)
-
-
-def _window(extractor: Any) -> int | None:
-    """Samples a feature extractor keeps of a longer recording: Whisper's `n_samples` (30 s),
-    where its call truncates by default; None for extractors that take any length."""
-    window = getattr(extractor, "n_samples", None)
-    if not isinstance(window, int) or window <= 0:
-        return None
-    try:
-        truncates = inspect.signature(extractor.__call__).parameters["truncation"].default
-    except (KeyError, TypeError, ValueError):
-        return None
-    return window if truncates is True else None
+    return description
 
 
 def _chat_prompt(processor: Any, media: Media, offered: Offered = None) -> str:
@@ -540,18 +402,6 @@ def _chat_prompt(processor: Any, media: Media, offered: Offered = None) -> str:
         raise InputError(
             f"the processor's chat template failed ({first_line(exc)}); drop --chat"
         ) from exc
-
-
-def _audio_padding(extractor: Any, waves: list[Any]) -> dict[str, Any]:
-    """Recordings of different lengths pad to the longest where the extractor would not pad
-    (Wav2Vec2's default); Whisper's own default pads every one to 30 s and is kept."""
-    if len({len(w) for w in waves}) < 2:
-        return {}
-    try:
-        default = inspect.signature(extractor.__call__).parameters["padding"].default
-    except (KeyError, TypeError, ValueError):
-        return {}
-    return {"padding": True} if default in (False, "do_not_pad") else {}
 
 
 def _batch_message(exc: Exception, media: Media, images: list[Any], sounds: list[Audio]) -> str:
@@ -611,16 +461,3 @@ def processor_settings(processor: Any) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - some processors can't serialise a part: no settings
         return {}
     return settings
-
-
-def _import(module: str, extra: str) -> Any:
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        package = {"vision": "Pillow", "audio": "soundfile"}[extra]
-        raise InputError(
-            f"reading {'images' if extra == 'vision' else 'audio'} needs {package}; "
-            f"pip install 'modeltap[{extra}]'"
-        ) from exc
