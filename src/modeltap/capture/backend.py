@@ -7,6 +7,7 @@ produced no value is listed, never silently dropped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from modeltap.capture.recorder import Recorder, Sink
+    from modeltap.capture.structure import OutputStructure
 
 
 @dataclass
@@ -49,3 +51,62 @@ class Backend(Protocol):
     name: str
 
     def run(self, request: RunRequest) -> BackendRun: ...
+
+
+@dataclass(kw_only=True)
+class SavedBackend:
+    """What the backends over a saved program (an ExportedProgram, a TorchScript archive) share:
+    `source`, the file it came from; `outputs`, the eager model's output record
+    (structure.record_outputs) for modules whose graph keeps no signature, or None."""
+
+    source: str = ""
+    name: str = ""
+    outputs: dict | None = None
+
+    def timed(self, request: RunRequest, call: Callable[[], Any], failed: str) -> tuple[Any, float]:
+        """(`call()` under no_grad after seeding, its seconds); its error a RunError `failed`
+        formats with the error's first line."""
+        import time
+
+        import torch
+
+        from modeltap.errors import InputError, RunError, first_line
+
+        if request.seed is not None:
+            torch.manual_seed(request.seed)
+        start = time.perf_counter()
+        try:
+            with torch.no_grad():
+                result = call()
+        except InputError:
+            raise
+        except Exception as exc:  # the program's own error kinds
+            raise RunError(
+                failed.format(first_line(exc)) + " (MODELTAP_DEBUG=1 shows the traceback)"
+            ) from exc
+        return result, time.perf_counter() - start
+
+    def finish(
+        self,
+        request: RunRequest,
+        recorder: Recorder,
+        structure: OutputStructure,
+        details: dict[str, Any],
+        called: set[str],
+        output: Any,
+        **after: Any,
+    ) -> BackendRun:
+        """The run handed back: `details` after the source, then what the output record could
+        not place, then `after`; the selected modules not in `called` (nor the root) unmapped."""
+        from modeltap.selection import ROOT
+
+        details = {"source": self.source, **details}
+        if structure.unmatched:
+            details["structure_unmatched"] = structure.unmatched
+        if structure.missing:
+            details["parts_not_in_graph"] = structure.missing
+        details.update(after)
+        called = called | {ROOT}
+        return BackendRun(
+            recorder, details, [m for m in request.modules if m not in called], output
+        )

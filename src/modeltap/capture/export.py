@@ -20,16 +20,15 @@ bare tensor (`output_record: false`).
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from modeltap.capture.backend import BackendRun, RunRequest
+from modeltap.capture.backend import BackendRun, RunRequest, SavedBackend
 from modeltap.capture.recorder import Recorder
 from modeltap.capture.structure import OutputStructure
-from modeltap.errors import InputError, RunError, first_line
+from modeltap.errors import InputError, first_line
 from modeltap.selection import ROOT
 
 if TYPE_CHECKING:
@@ -418,17 +417,13 @@ def _argument_value(spec: Any, values: dict[str, Any]) -> Any:
 
 
 @dataclass
-class ExportBackend:
+class ExportBackend(SavedBackend):
     """Dump an ExportedProgram's module outputs under the eager keys."""
 
     program: Any
-    source: str = ""
-    name: str = "export"
-    # structure.record_outputs' record of the eager model, for modules without a signature
-    outputs: dict | None = None
+    name: str = field(default="export", kw_only=True)
 
     def run(self, request: RunRequest) -> BackendRun:
-        import torch
         from torch.utils import _pytree
 
         if request.train_mode:
@@ -451,37 +446,17 @@ class ExportBackend:
             inferred = [c for c in scope_calls(gm) if c.module in wanted_modules]
             wanted |= {n.name for c in inferred for n in c.escaping}
         keeper = _Keeper(gm, wanted)
-        if request.seed is not None:
-            torch.manual_seed(request.seed)
-        start = time.perf_counter()
-        try:
-            with torch.no_grad():
-                flat_out = keeper.run(flat)
-        except InputError:
-            raise
-        except Exception as exc:
-            raise RunError(
-                f"the exported program failed: {first_line(exc)}; check the inputs' shapes and "
-                "dtypes against its example inputs (MODELTAP_DEBUG=1 shows the traceback)"
-            ) from exc
-        seconds = time.perf_counter() - start
-        position = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+        flat_out, seconds = self.timed(
+            request,
+            lambda: keeper.run(flat),
+            "the exported program failed: {}; check the inputs' shapes and dtypes against its "
+            "example inputs",
+        )
         values = keeper.values
-
-        def ends_at(call: _Call) -> tuple[int, int]:
-            last = max((position.get(getattr(a, "name", ""), -1) for a in call.outputs), default=-1)
-            return last, -call.module.count(".")  # a child returns before its parent
-
-        events: list[tuple[tuple[int, int], int, Any]] = [
-            (ends_at(c), i, c) for i, c in enumerate(calls)
-        ]
-        events += [
-            ((c.last, -c.module.count(".")), len(calls) + i, c) for i, c in enumerate(inferred)
-        ]
         recorder = Recorder(request.sink)
         several: list[str] = []
         structure = OutputStructure.of(self.outputs)
-        for _, _, call in sorted(events, key=lambda e: (e[0], e[1])):
+        for call in _in_return_order(gm, calls, inferred):
             if not isinstance(call, _Call):  # an inferred call: the values leaving its scope
                 got = [values[n.name] for n in call.escaping]
                 if len(got) > 1 and self.outputs is None:
@@ -499,25 +474,30 @@ class ExportBackend:
         output = _output(ep, flat_out)
         if ROOT in selected:
             recorder.record(ROOT, output)
-        called = {c.module for c in calls} | {c.module for c in inferred} | {ROOT}
-        details: dict[str, Any] = {
-            "source": self.source,
-            "graph_nodes": len(gm.graph.nodes),
-            "run_s": seconds,
-        }
+        details: dict[str, Any] = {"graph_nodes": len(gm.graph.nodes), "run_s": seconds}
         if unsigned:
             details["modules_without_signature"] = len(unsigned)
             details["inferred_from_scopes"] = len({c.module for c in inferred})
             details["output_record"] = self.outputs is not None
-        if structure.unmatched:
-            details["structure_unmatched"] = structure.unmatched
-        if structure.missing:
-            details["parts_not_in_graph"] = structure.missing
-        if several:
-            details["several_values_as_parts"] = several
-        return BackendRun(
-            recorder, details, [m for m in request.modules if m not in called], output
-        )
+        called = {c.module for c in calls} | {c.module for c in inferred}
+        after = {"several_values_as_parts": several} if several else {}
+        return self.finish(request, recorder, structure, details, called, output, **after)
+
+
+def _in_return_order(gm: Any, calls: list[_Call], inferred: list[Any]) -> list[Any]:
+    """The signed `calls` and the `inferred` ones in the order they return in the graph, a
+    child before its parent."""
+    position = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+
+    def ends_at(call: _Call) -> tuple[int, int]:
+        last = max((position.get(getattr(a, "name", ""), -1) for a in call.outputs), default=-1)
+        return last, -call.module.count(".")  # a child returns before its parent
+
+    events: list[tuple[tuple[int, int], int, Any]] = [
+        (ends_at(c), i, c) for i, c in enumerate(calls)
+    ]
+    events += [((c.last, -c.module.count(".")), len(calls) + i, c) for i, c in enumerate(inferred)]
+    return [call for _, _, call in sorted(events, key=lambda e: (e[0], e[1]))]
 
 
 def _output(ep: Any, flat_out: Any) -> Any:

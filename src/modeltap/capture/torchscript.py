@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import json
 import re
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from modeltap.capture.backend import BackendRun, RunRequest
+from modeltap.capture.backend import BackendRun, RunRequest, SavedBackend
 from modeltap.capture.eager import model_mode
 from modeltap.capture.recorder import Recorder
 from modeltap.capture.structure import STRUCTURE_FILE, OutputStructure, record_outputs
-from modeltap.errors import InputError, RunError, first_line
+from modeltap.errors import InputError
 from modeltap.selection import ROOT
 
 if TYPE_CHECKING:
@@ -197,14 +196,12 @@ def save_traced(
 
 
 @dataclass
-class TorchScriptBackend:
-    """Dump a ScriptModule (traced or scripted, loaded from torch.jit.save) under eager keys."""
+class TorchScriptBackend(SavedBackend):
+    """Dump a ScriptModule (traced or scripted, loaded from torch.jit.save) under eager keys;
+    its `outputs` record is the one save_traced keeps in the archive."""
 
     script: Any
-    source: str = ""
-    name: str = "torchscript"
-    # record_outputs' record (saved in the archive by save_traced), or None
-    outputs: dict | None = None
+    name: str = field(default="torchscript", kw_only=True)
 
     def run(self, request: RunRequest) -> BackendRun:
         import torch
@@ -246,18 +243,11 @@ class TorchScriptBackend:
         graph.makeMultiOutputIntoTuple()
         function = torch._C._create_function_from_graph("modeltap_forward", graph)
         flat = _positional(script, request.args, request.kwargs, self.source)
-        if request.seed is not None:
-            torch.manual_seed(request.seed)
-        start = time.perf_counter()
-        try:
-            with torch.no_grad():
-                results = function(script._c, *flat)
-        except Exception as exc:  # TorchScript raises its own error kinds
-            raise RunError(
-                f"the TorchScript module failed: {first_line(exc)}; check the inputs' shapes "
-                "and dtypes (MODELTAP_DEBUG=1 shows the traceback)"
-            ) from exc
-        seconds = time.perf_counter() - start
+        results, seconds = self.timed(
+            request,
+            lambda: function(script._c, *flat),
+            "the TorchScript module failed: {}; check the inputs' shapes and dtypes",
+        )
         results = results if isinstance(results, tuple) else (results,)
         output = results[0] if len(originals) == 1 else results[: len(originals)]
         recorder = Recorder(request.sink)
@@ -267,20 +257,13 @@ class TorchScriptBackend:
             recorder.record(call.module, structure.module_value(call.module, values))
         if ROOT in selected:
             recorder.record(ROOT, structure.root_value(output))
-        called = {c.module for c in calls} | {ROOT}
         details: dict[str, Any] = {
-            "source": self.source,
             "run_s": seconds,
             "nodes_without_module": unknown,
             "output_record": self.outputs is not None,
         }
-        if structure.unmatched:
-            details["structure_unmatched"] = structure.unmatched
-        if structure.missing:
-            details["parts_not_in_graph"] = structure.missing
-        return BackendRun(
-            recorder, details, [m for m in request.modules if m not in called], output
-        )
+        called = {c.module for c in calls}
+        return self.finish(request, recorder, structure, details, called, output)
 
 
 def _positional(script: Any, args: tuple[Any, ...], kwargs: dict[str, Any], source: str) -> list:
