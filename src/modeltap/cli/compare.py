@@ -96,25 +96,7 @@ def compare_command(
         from modeltap.compare.backends import check_depth
 
         check_depth(variant.backend, s.depth)
-    if not s.model:
-        raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
-    _check_replayable(s.model, "MODEL")
-    if s.candidate is not None:
-        _check_replayable(s.candidate, "CANDIDATE")
-    if given["stats_only"] and not s.out_dir:
-        raise InputError("--stats-only applies to the dumps --out-dir keeps; give --out-dir DIR")
-    if s.candidate is None and s.against is None:
-        raise InputError("nothing to compare with; give a CANDIDATE model or --against bf16, ...")
-    run_on = s.texts or s.images or s.audio
-    if run_on and s.input_file:
-        raise InputError("give TEXT or FILEs, or --input-file, not both")
-    if not run_on and not s.input_file:
-        if s.against is None:
-            raise InputError(
-                f"nothing to run on, or nothing to compare with: '{s.candidate}' was taken for "
-                "the CANDIDATE model; give TEXT after it, or --against bf16, ... for a variant"
-            )
-        raise InputError("nothing to run on; give TEXT or --input-file")
+    _check_models_and_inputs(s, given)
     preset_name = s.preset or _default_preset(DEFAULT_PRESET[variant.kind])
     options = _options(s, preset_name, atol=given["atol"], rtol=given["rtol"])
     if junit is not None:
@@ -290,6 +272,29 @@ def _check_replayable(model: str, what: str) -> None:
             "model's modules, so give a Hugging Face id or a folder with config.json (or dump "
             "each model and `modeltap diff` the dumps)"
         )
+
+
+def _check_models_and_inputs(s: Settings, given: Given) -> None:
+    """A MODEL, something to compare it with and something to run on, each given once."""
+    if not s.model:
+        raise InputError("no MODEL given; pass one, or set `model` in modeltap.toml")
+    _check_replayable(s.model, "MODEL")
+    if s.candidate is not None:
+        _check_replayable(s.candidate, "CANDIDATE")
+    if given["stats_only"] and not s.out_dir:
+        raise InputError("--stats-only applies to the dumps --out-dir keeps; give --out-dir DIR")
+    if s.candidate is None and s.against is None:
+        raise InputError("nothing to compare with; give a CANDIDATE model or --against bf16, ...")
+    run_on = s.texts or s.images or s.audio
+    if run_on and s.input_file:
+        raise InputError("give TEXT or FILEs, or --input-file, not both")
+    if not run_on and not s.input_file:
+        if s.against is None:
+            raise InputError(
+                f"nothing to run on, or nothing to compare with: '{s.candidate}' was taken for "
+                "the CANDIDATE model; give TEXT after it, or --against bf16, ... for a variant"
+            )
+        raise InputError("nothing to run on; give TEXT or --input-file")
 
 
 def _split_positionals(s: Settings, rest: list[str]) -> None:

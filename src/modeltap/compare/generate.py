@@ -226,7 +226,7 @@ def compare_generation(
 ) -> GenerationComparison:
     """Generate with `reference`, then with `candidate` forced to the reference's tokens; compare
     them step by step and attribute the first departure (see the module docstring)."""
-    from modeltap.compare.replay import Options, compare_models
+    from modeltap.compare.replay import Options
     from modeltap.compare.variants import compute_dtype, model_device
     from modeltap.diff.generations import diff_generations
     from modeltap.selection import select_modules
@@ -276,28 +276,46 @@ def compare_generation(
     weigh_flips(flips, reference, candidate, inputs, cand_inputs, ref, options)
     result = GenerationComparison(ref, forced, free, steps, next(iter(flips), None))
     result.departures = flips
-    first = steps.first_divergence
+    _attribute(result, reference, candidate, inputs, modules, work, options)
+    return result
+
+
+def _attribute(
+    result: GenerationComparison,
+    reference: nn.Module,
+    candidate: nn.Module,
+    inputs: Inputs,
+    modules: list[str],
+    work: Path,
+    options: Options,
+) -> None:
+    """Attribute the first departure (a flip beyond tolerance, else the first step that
+    diverges) to modules: `compare_models` on that step's forced forward, in a scratch folder
+    removed after."""
+    from modeltap.compare.replay import compare_models
+
+    first = result.steps.first_divergence
     beyond = result.failed_flip
     at = beyond.step if beyond is not None else (first.step if first is not None else None)
-    if at is not None:
-        forward = _forced_forward(reference, inputs, ref, at)
-        replay_dir = work / f".replay-step{at}"
-        replay_dir.mkdir(exist_ok=True)
-        try:
-            result.attribution = compare_models(
-                reference,
-                candidate,
-                forward,
-                modules,
-                replay_dir,
-                options=options,
-            )
-        finally:
-            for leftover in replay_dir.iterdir():
-                leftover.unlink()
-            replay_dir.rmdir()
-        result.attributed_step = at
-    return result
+    if at is None:
+        return
+    forward = _forced_forward(reference, inputs, result.reference, at)
+    replay_dir = work / f".replay-step{at}"
+    replay_dir.mkdir(exist_ok=True)
+    try:
+        result.attribution = compare_models(
+            reference,
+            candidate,
+            forward,
+            modules,
+            replay_dir,
+            options=options,
+        )
+    finally:
+        for leftover in replay_dir.iterdir():
+            leftover.unlink()
+        replay_dir.rmdir()
+    result.attributed_step = at
 
 
 def _forced_forward(model: nn.Module, inputs: Inputs, reference: Generated, step: int) -> Any:
