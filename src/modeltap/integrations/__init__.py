@@ -9,12 +9,10 @@ Accelerate needs none: `with modeltap.record(model, ...)` around its loop (see t
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from modeltap.integrations.transformers import ModeltapCallback
-    from modeltap.record import Recording
 
 
 def __getattr__(name: str) -> Any:
@@ -23,44 +21,6 @@ def __getattr__(name: str) -> Any:
 
         return ModeltapCallback
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def check_options(options: dict[str, Any]) -> None:
-    """What a callback sets from its framework may not be given."""
-    for name in ("start_step", "scaler"):
-        if name in options:
-            raise ValueError(f"ModeltapCallback sets {name} from the Trainer; leave it out")
-
-
-def start_recording(
-    model: Any,
-    out_dir: str | os.PathLike[str],
-    *,
-    every: int,
-    global_step: int,
-    scaler: Any,
-    options: dict[str, Any],
-) -> Recording:
-    """`record(...)` entered for a framework's training: step N is the framework's global_step
-    N (the step ending with the N-th optimizer step), always, resumed or not. A run resumed
-    from a checkpoint continues the folder's run when the folder holds one (`resume` option:
-    True by default then; refused when the folder went past the checkpoint, unless
-    resume="truncate"), and starts one in a new or empty folder."""
-    from pathlib import Path
-
-    from modeltap.record import dist, record
-    from modeltap.record.index import run_files
-
-    options = dict(options)
-    if global_step > 0 and not options.get("overwrite"):
-        options.setdefault("resume", True)
-    if options.get("resume") and not run_files(Path(out_dir), dist.rank_info().rank):
-        options["resume"] = False  # nothing of this rank's to continue: a new run, numbered alike
-    recording = record(
-        model, out_dir, every=every, start_step=global_step + 1, scaler=scaler, **options
-    )
-    recording.__enter__()
-    return recording
 
 
 __all__ = ["ModeltapCallback"]

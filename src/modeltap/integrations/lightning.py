@@ -26,7 +26,7 @@ except ImportError:  # the older package name
             "modeltap.integrations.lightning needs Lightning: pip install 'modeltap[lightning]'"
         ) from exc
 
-from modeltap.integrations import check_options, start_recording
+from modeltap.integrations.start import check_options, start_recording
 from modeltap.record import Recording
 
 

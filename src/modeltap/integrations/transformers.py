@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from modeltap.integrations import check_options, start_recording
+from modeltap.integrations.start import check_options, start_recording
 from modeltap.record import Recording
 
 
