@@ -125,7 +125,7 @@ def test_truncate_moves_the_later_steps_aside_and_numbers_by_the_given_step(
     assert [t["from_step"] for t in index.truncated] == [4]
     assert [len(index.resumed)] == [1]
     assert read_run(run).step_file(4, 0) == run / "step000004.rank0.safetensors"
-    from modeltap.render.tables import run_json  # what `show DIR --json` prints
+    from modeltap.render.run_tables import run_json  # what `show DIR --json` prints
 
     assert run_json(read_run(run))["ranks"]["0"]["truncated"][0]["from_step"] == 4
 

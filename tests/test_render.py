@@ -252,7 +252,7 @@ def _whole(name: str, shown: str) -> bool:
 
 
 def test_fit_apart_tells_names_apart_that_differ_only_in_a_middle_index():
-    from modeltap.render.tables import _fit_apart
+    from modeltap.render.run_tables import _fit_apart
 
     names = [f"model.encoder.block.{i}.layer.0.SelfAttention.q.weight" for i in (1, 10, 11, 2)]
     shown = _fit_apart(names, 24)

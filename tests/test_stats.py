@@ -578,7 +578,7 @@ def test_gradscaler_skipped_step_is_not_reported_vanishing(tmp_path):
     assert step["keys"]["grad/0"]["nonfinite"] == nonfinite_counts["0"]
     assert step["keys"]["grad/2"]["nonfinite"] == nonfinite_counts["2"]
     assert step["keys"]["grad/2"]["norm"] == 0.0  # its finite values: the ReLU's zeros
-    from modeltap.render.tables import run_table  # what `show DIR` prints
+    from modeltap.render.run_tables import run_table  # what `show DIR` prints
 
     assert "vanishing" not in run_table(read_run(tmp_path / "run"), 0, width=120).plain
 

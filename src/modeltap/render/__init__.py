@@ -1,22 +1,24 @@
-"""Pure builders: tree.py (the dump tree) and tables.py (Rich tables); only cli/ prints."""
+"""Pure builders: tree.py (the dump tree), tables.py, run_tables.py and compare_tables.py (Rich
+tables); only cli/ prints."""
 
-from modeltap.render.tables import (
-    DIFF_ROWS,
+from modeltap.render.compare_tables import compare_heading, compare_table
+from modeltap.render.run_tables import (
     SPARKS,
     TREND_POINTS,
-    compare_heading,
-    compare_table,
+    run_diff_text,
+    run_heading,
+    run_json,
+    run_table,
+    sparkline,
+)
+from modeltap.render.tables import (
+    DIFF_ROWS,
     device_bytes_table,
     diff_heading,
     diff_table,
     grads_heading,
     grads_table,
     placement_table,
-    run_diff_text,
-    run_heading,
-    run_json,
-    run_table,
-    sparkline,
 )
 from modeltap.render.tree import (
     DEAD_WARN,
