@@ -280,6 +280,20 @@ def run_page(run: RunIndex, *, command: str = "") -> Page:
             Section("notes", "Nothing recorded yet", items=["The index holds no recorded step."])
         )
         return page
+    update_note = _step_module_section(page, run, events)
+    if len(ranks) > 1 and events["keys"][False]:
+        _rank_section(page, run, all_steps, trips, events["keys"][False])
+    if update_note is not None:
+        page.sections.append(
+            Section("charts", "Update ratios", charts=["run-updates"], note=update_note)
+        )
+    if run.hits or trips:
+        _events_section(page, run, trips)
+    return page
+
+
+def _reduced_notes(run: RunIndex, events: dict[str, Any]) -> list[str]:
+    """What the heatmaps reduce to fit: steps into columns, modules or gradient keys into rows."""
     reduced = []
     longest = max(len(r.steps) for r in run.ranks.values())
     if longest > MAX_STEPS:
@@ -295,6 +309,15 @@ def run_page(run: RunIndex, *, command: str = "") -> Page:
                 f"{count} {what} shown as {math.ceil(count / size)} rows: each the "
                 f"largest value of {size} neighbours in execution order"
             )
+    return reduced
+
+
+def _step_module_section(page: Page, run: RunIndex, events: dict[str, Any]) -> str | None:
+    """The step × module heatmaps of the first rank, the update ratios' figure, and each other
+    rank's as variants to choose from; returns the update ratios' note, None without them."""
+    ranks = list(run.ranks)
+    first = run.ranks[ranks[0]]
+    reduced = _reduced_notes(run, events)
     charts = []
     options: dict[str, dict[str, Any]] = {str(r): {} for r in ranks}
     for spec in _HEATMAPS:
@@ -334,37 +357,40 @@ def run_page(run: RunIndex, *, command: str = "") -> Page:
             "finite. × marks a rule hit, a dotted line a tripwire event.",
             *(f"Reduced to fit: {r}." for r in reduced)]),
     ))  # fmt: skip
-    if len(ranks) > 1 and events["keys"][False]:
-        marked = {h["step"] for h in run.hits} | {t["step"] for t in trips}
-        chosen = [all_steps[-1], *sorted(marked)]
-        for s in all_steps[:: max(1, len(all_steps) // MAX_RANK_STEPS)]:
-            chosen.append(s)
-        chosen = list(dict.fromkeys(chosen))[:MAX_RANK_STEPS]
-        keys = events["keys"][False]
-        page.variants["rank-step"] = {str(s): {"run-ranks": _rank_figure(run, s, keys)}
-                                      for s in chosen}  # fmt: skip
-        page.figures["run-ranks"] = page.variants["rank-step"][str(chosen[0])]["run-ranks"]
-        page.sections.append(Section(
-            "charts", "Rank × module at one step", charts=["run-ranks"],
-            select={"id": "step-select", "label": "Step: ", "variants": "rank-step",
-                    "options": [(str(s), f"step {s}") for s in chosen],
-                    "selected": str(chosen[0])},
-            note="Blue: below the mean over ranks; orange: above. Steps offered: the last, those "
-            "with rule hits or tripwire events, and evenly spaced ones.",
-        ))  # fmt: skip
-    if update["data"]:
-        page.sections.append(
-            Section("charts", "Update ratios", charts=["run-updates"], note=update_note)
-        )
-    if run.hits or trips:
-        rows = [{"class": "bad", "cells": ["tripwire", t["step"], "", t.get("module", ""),
-                                           t.get("phase", ""), _trip_text(t)]}
-                for t in trips]  # fmt: skip
-        rows += [{"class": "", "cells": [h.get("rule", ""), h.get("step", ""), h.get("rank", ""),
-                                         h.get("key", ""), fmt(h.get("value")),
-                                         h.get("message", "")]}
-                 for h in run.hits]  # fmt: skip
-        page.sections.append(Section("table", "Events", rows=rows,
-                                     columns=["event", "step", "rank", "key", "value",
-                                              "message"]))  # fmt: skip
-    return page
+    return update_note if update["data"] else None
+
+
+def _rank_section(
+    page: Page, run: RunIndex, all_steps: list[int], trips: list[dict[str, Any]], keys: list[str]
+) -> None:
+    """Rank × module at one step, for the last step, those with events and evenly spaced ones."""
+    marked = {h["step"] for h in run.hits} | {t["step"] for t in trips}
+    chosen = [all_steps[-1], *sorted(marked)]
+    for s in all_steps[:: max(1, len(all_steps) // MAX_RANK_STEPS)]:
+        chosen.append(s)
+    chosen = list(dict.fromkeys(chosen))[:MAX_RANK_STEPS]
+    page.variants["rank-step"] = {str(s): {"run-ranks": _rank_figure(run, s, keys)}
+                                  for s in chosen}  # fmt: skip
+    page.figures["run-ranks"] = page.variants["rank-step"][str(chosen[0])]["run-ranks"]
+    page.sections.append(Section(
+        "charts", "Rank × module at one step", charts=["run-ranks"],
+        select={"id": "step-select", "label": "Step: ", "variants": "rank-step",
+                "options": [(str(s), f"step {s}") for s in chosen],
+                "selected": str(chosen[0])},
+        note="Blue: below the mean over ranks; orange: above. Steps offered: the last, those "
+        "with rule hits or tripwire events, and evenly spaced ones.",
+    ))  # fmt: skip
+
+
+def _events_section(page: Page, run: RunIndex, trips: list[dict[str, Any]]) -> None:
+    """The tripwire events and rule hits, one row each."""
+    rows = [{"class": "bad", "cells": ["tripwire", t["step"], "", t.get("module", ""),
+                                       t.get("phase", ""), _trip_text(t)]}
+            for t in trips]  # fmt: skip
+    rows += [{"class": "", "cells": [h.get("rule", ""), h.get("step", ""), h.get("rank", ""),
+                                     h.get("key", ""), fmt(h.get("value")),
+                                     h.get("message", "")]}
+             for h in run.hits]  # fmt: skip
+    page.sections.append(Section("table", "Events", rows=rows,
+                                 columns=["event", "step", "rank", "key", "value",
+                                          "message"]))  # fmt: skip
