@@ -11,6 +11,7 @@ from modeltap.diff.dumps import DiffReport
 from modeltap.diff.pairs import Pair
 from modeltap.diff.tolerance import Tolerance, margin
 from modeltap.dump import Dump, load_dump
+from modeltap.render.report.key_figures import axis_ticks
 from modeltap.render.report.page import OKABE_ITO, Page, Section, fmt, layout, positive
 from modeltap.stats import TensorStats
 
@@ -72,21 +73,7 @@ def strip_figures(report: DiffReport, a: Dump, b: Dump, prefix: str = "diff") ->
     x = list(range(len(pairs)))
     hover = [_hover(p, a, b, tol) for p in pairs]
     keys = [p.key for p in pairs]
-    marks: list[dict[str, Any]] = []
-    notes: list[dict[str, Any]] = []
-    differ = report.inputs_differ
-    if differ:
-        line, note = _vertical(keys.index(differ[0].key), f"inputs differ: {differ[0].key}", 1)
-        marks.append(line)
-        notes.append(note)
-    first = report.first_divergence
-    if first is not None:
-        after = " (downstream of the inputs)" if differ else ""
-        line, note = _vertical(
-            keys.index(first.key), f"first divergence: {first.key}{after}", 0.9 if differ else 1
-        )
-        marks.append(line)
-        notes.append(note)
+    marks, notes = _divergence_marks(report, keys)
     limit = {"type": "line", "xref": "paper", "yref": "y", "x0": 0, "x1": 1, "y0": 1, "y1": 1,
              "line": {"color": OKABE_ITO[7], "width": 1.5, "dash": "dash"}}  # fmt: skip
     limit_note = {"x": 1, "y": 0, "xref": "paper", "yref": "y", "showarrow": False,
@@ -147,11 +134,31 @@ def strip_figures(report: DiffReport, a: Dump, b: Dump, prefix: str = "diff") ->
     }  # fmt: skip
 
 
+def _divergence_marks(
+    report: DiffReport, keys: list[str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Vertical lines, with their notes, where the inputs differ and at the first divergence."""
+    marks: list[dict[str, Any]] = []
+    notes: list[dict[str, Any]] = []
+    differ = report.inputs_differ
+    if differ:
+        line, note = _vertical(keys.index(differ[0].key), f"inputs differ: {differ[0].key}", 1)
+        marks.append(line)
+        notes.append(note)
+    first = report.first_divergence
+    if first is not None:
+        after = " (downstream of the inputs)" if differ else ""
+        line, note = _vertical(
+            keys.index(first.key), f"first divergence: {first.key}{after}", 0.9 if differ else 1
+        )
+        marks.append(line)
+        notes.append(note)
+    return marks, notes
+
+
 def _module_ticks(keys: list[str]) -> dict[str, Any]:
     """An x axis (pair index) labelled with module names: every block's first key, or every
     key when they are few."""
-    from modeltap.render.report.dump_page import axis_ticks
-
     return axis_ticks(keys, "module (execution order; hover for the key)")
 
 

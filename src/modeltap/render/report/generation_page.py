@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from modeltap.dump import GRAD_PREFIX, Dump
+from modeltap.render.report.key_figures import line_figures
 from modeltap.render.report.page import Page, Section, fmt
 
 TOKEN_COLUMNS = ["step", "row", "token", "text", "p", "runner-up", "its text", "its p", "stored"]
@@ -45,7 +46,6 @@ def _offered(steps: list[int], full: set[int]) -> list[int]:
 
 def generation_page(dump: Dump, gen: dict[str, Any], *, command: str = "") -> Page:
     from modeltap.generate import step_view, steps_of
-    from modeltap.render.report.dump_page import line_figures
 
     meta = dump.metadata
     page = Page(f"modeltap generate: {meta.get('model', dump.path.name)}", "dump", command=command)
