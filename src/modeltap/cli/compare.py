@@ -13,7 +13,7 @@ from modeltap.cli.inputs import command_name, offered_flags, sorted_inputs
 from modeltap.cli.options import LOAD, SELECT, Given, command
 from modeltap.cli.printing import note, write_html
 from modeltap.config import Settings
-from modeltap.config.settings import CliOption
+from modeltap.config.declare import CliOption
 from modeltap.errors import InputError
 
 REPORT_FILE = "report.json"

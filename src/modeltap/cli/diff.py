@@ -11,7 +11,7 @@ import typer
 from modeltap.cli.app import app, given, handle_errors, refuse, stdout, write_atomically
 from modeltap.cli.options import DIFF, Given, command
 from modeltap.config import Settings
-from modeltap.config.settings import CliOption
+from modeltap.config.declare import CliOption
 from modeltap.diff.from_settings import diff_report, diff_tolerances
 from modeltap.errors import InputError
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from modeltap.cli.app import app, handle_errors, refuse, stdout
 from modeltap.cli.checks import refuse_pickle_flag
 from modeltap.cli.options import SELECT, Given, command
-from modeltap.config.settings import CliOption
+from modeltap.config.declare import CliOption
 from modeltap.errors import InputError
 
 if TYPE_CHECKING:

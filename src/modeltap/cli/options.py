@@ -18,22 +18,8 @@ from typing import Annotated, Any
 
 import typer
 
-from modeltap.config.settings import (
-    FIELDS,
-    GRADIENTS,
-    HINTS,
-    INPUTS,
-    KEYS,
-    LOADING,
-    OUTPUT,
-    RUNNING,
-    SELECTION,
-    TOL,
-    TYPES,
-    CliOption,
-)
-
-__all__ = ["GRADIENTS", "INPUTS", "KEYS", "LOADING", "OUTPUT", "RUNNING", "SELECTION", "TOL"]
+from modeltap.config.declare import INPUTS, LOADING, OUTPUT, CliOption
+from modeltap.config.settings import FIELDS, HINTS, TYPES
 
 # Options of the command line only: how to run the command, not what a run is.
 CLI_ONLY: dict[str, CliOption] = {

@@ -9,7 +9,7 @@ import typer
 
 from modeltap.cli.app import app, handle_errors, stdout
 from modeltap.cli.options import command
-from modeltap.config.settings import CliOption
+from modeltap.config.declare import CliOption
 from modeltap.errors import InputError
 
 

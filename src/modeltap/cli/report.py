@@ -8,7 +8,7 @@ from typing import Any
 from modeltap.cli.app import app, handle_errors
 from modeltap.cli.options import DIFF, as_settings, command
 from modeltap.cli.printing import write_html
-from modeltap.config.settings import CliOption
+from modeltap.config.declare import CliOption
 from modeltap.errors import InputError
 
 INPUTS = CliOption(

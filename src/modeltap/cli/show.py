@@ -9,7 +9,7 @@ from typing import Any
 from modeltap.cli.app import app, handle_errors, stderr, stdout
 from modeltap.cli.options import command
 from modeltap.cli.printing import print_generation, print_opened
-from modeltap.config.settings import CliOption
+from modeltap.config.declare import CliOption
 from modeltap.errors import InputError
 
 PATH = CliOption(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from modeltap._lazy import lazy_names
 
 if TYPE_CHECKING:
+    from modeltap.config.declare import CliOption, option
     from modeltap.config.files import (
         ACCUMULATED_KEY,
         COMMANDS,
@@ -32,10 +33,11 @@ if TYPE_CHECKING:
         tolerance_values,
         tomllib,
     )
-    from modeltap.config.settings import CliOption, Settings, option
+    from modeltap.config.settings import Settings
 
 _HOMES = {
-    **dict.fromkeys(["CliOption", "Settings", "option"], "settings"),
+    **dict.fromkeys(["CliOption", "option"], "declare"),
+    "Settings": "settings",
     **dict.fromkeys(
         [
             "ACCUMULATED_KEY",
