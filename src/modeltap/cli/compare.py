@@ -11,7 +11,7 @@ import typer
 from modeltap.cli.app import app, handle_errors, refuse, stderr, stdout, write_atomically
 from modeltap.cli.inputs import command_name, offered_flags, sorted_inputs
 from modeltap.cli.options import LOAD, SELECT, Given, command
-from modeltap.cli.printing import note, write_html
+from modeltap.cli.printing import note, print_report, write_html
 from modeltap.config import Settings
 from modeltap.config.declare import CliOption
 from modeltap.errors import InputError
@@ -210,16 +210,9 @@ def _write_report(
 
         command = invocation("compare", ["--html", str(html)])
         write_html(html, compare_page(report.to_json(), command=command))
-    if json_out:
-        print(json.dumps(report.to_json(), indent=1))
-    else:
-        from modeltap.render import compare_heading, compare_table
+    from modeltap.render import compare_heading, compare_table
 
-        console = stdout()
-        console.print(compare_heading(report))
-        table = compare_table(report, show_all=show_all, width=console.width)
-        if table.row_count:
-            console.print(table)
+    print_report(report, compare_heading, compare_table, json_out=json_out, show_all=show_all)
     if work is not None:
         stderr().print(
             f"wrote {work}/: candidate.safetensors, reference.safetensors, {REPORT_FILE}"

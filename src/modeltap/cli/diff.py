@@ -96,16 +96,10 @@ def diff_command(
 
         command = invocation("diff", [str(a), str(b), "--html", str(html)])
         write_html(html, diff_page(report, command=command))
-    if json_out:
-        print(json.dumps(report.to_json(), indent=1))
-    else:
-        from modeltap.render import diff_heading, diff_table
+    from modeltap.cli.printing import print_report
+    from modeltap.render import diff_heading, diff_table
 
-        console = stdout()
-        console.print(diff_heading(report))
-        table = diff_table(report, show_all=show_all, width=console.width)
-        if table.row_count:
-            console.print(table)
+    print_report(report, diff_heading, diff_table, json_out=json_out, show_all=show_all)
     raise typer.Exit(0 if report.passed else 1)
 
 

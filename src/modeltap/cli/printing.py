@@ -1,5 +1,6 @@
 """What several commands print the same way: a dump's tree (dump, grads, show), a generation
-(generate, show), a note on stderr, a written HTML page (diff, compare, report)."""
+(generate, show), a note on stderr, a written HTML page (diff, compare, report), a report's heading
+and table (diff, compare)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,16 @@ def write_html(path: Path, page: Any) -> None:
 
     write(path, page)
     stderr().print(f"wrote {path}", highlight=False, soft_wrap=True)
+
+
+def print_report(report: Any, heading: Any, table: Any, *, json_out: bool, show_all: bool) -> None:
+    """A diff's or a compare's report on stdout: its JSON, or `heading(report)` then
+    `table(report, ...)` where the table has rows."""
+    if json_out:
+        print(json.dumps(report.to_json(), indent=1))
+        return
+    console = stdout()
+    console.print(heading(report))
+    rows = table(report, show_all=show_all, width=console.width)
+    if rows.row_count:
+        console.print(rows)
