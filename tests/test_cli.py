@@ -181,17 +181,21 @@ def test_help_does_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False"] * 5
-    # The recorder and the hooks still come with `modeltap.record` and `modeltap.capture`, the
-    # functions, on their first call.
+    # `modeltap.record` and `modeltap.capture` are their packages made callable, with the verbs'
+    # signatures; the recorder and the hooks still come only with the first call (or signature).
     code = (
-        "import modeltap; print(modeltap.record.__doc__.split(':')[0]); "
-        "print(modeltap.capture.__doc__.split(' under')[0]); "
+        "import sys, inspect, modeltap; r, c = modeltap.record, modeltap.capture; "
+        "print(r.__name__, c.__name__, *(m in sys.modules for m in ('torch', "
+        "'modeltap.record.recording', 'modeltap.capture.eager'))); "
+        "print(*list(inspect.signature(r).parameters)[:3]); "
+        "print(*list(inspect.signature(c).parameters)[:3]); "
         "from modeltap.capture import capture, split_key; print(capture.__module__)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.splitlines() == [
-        "Record `model` inside a training loop",
-        "Run `model(*args, **kwargs)`",
+        "modeltap.record modeltap.capture False False False",
+        "model out_dir every",
+        "model args modules",
         "modeltap.capture.eager",
     ]
     help_run = subprocess.run(

@@ -801,7 +801,8 @@ def test_a_float16_backward_overflow_on_an_unrecorded_step_is_named_by_the_rerun
 def test_the_verbs_stay_bound_over_their_packages(tmp_path: Path) -> None:
     # `modeltap.record` and `modeltap.capture` are verbs and packages of the same names. A new
     # process imports a module of each package first (the import system binds a package on its
-    # parent at the package's first import): the names must still call the verbs.
+    # parent at the package's first import): the names must still call the verbs, and still
+    # reach the packages' names.
     code = f"""
 import modeltap.record.recording, modeltap.capture.eager, pathlib, torch
 import modeltap
@@ -814,6 +815,8 @@ with modeltap.record(net, run, every=1) as rec:
 assert isinstance(rec, Recording)
 plain = torch.nn.functional.linear(x, net.weight, net.bias)
 assert torch.equal(modeltap.capture(net, x)["__root__"], plain)
+assert modeltap.record.RecordOptions is modeltap.record.options.RecordOptions
+assert modeltap.capture.hooks is modeltap.capture.eager.hooks
 print(*sorted(p.name for p in run.glob("step*")))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -22,9 +22,9 @@ compare, and each stage has one place, named for it, beside this file:
     errors.py       ModeltapError, whose messages say what to do; _version.py holds the version
 
 The public API is imported lazily so that `import modeltap` (and `modeltap --help`) stays instant.
-`capture` and `record` are verbs here and packages beside this file: `over_package` imports each
-package before its verb is bound, so `modeltap.record` is the verb after any import, and the
-package is `sys.modules["modeltap.record"]` (`from modeltap.record import Recording` works).
+The verbs `capture`, `diff`, `dump` and `record` are the packages of those names made callable
+(`_lazy.callable_package`): `modeltap.record(model, dir)` records, `modeltap.record.RecordOptions`
+and `import modeltap.record.recording` work too, whichever import comes first.
 """
 
 from __future__ import annotations
@@ -32,36 +32,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from modeltap._lazy import over_package
 from modeltap._version import __version__
-
-
-@over_package
-def capture(
-    model: Any,
-    *args: Any,
-    modules: list[str] | None = None,
-    inputs: bool = False,
-    train_mode: bool = False,
-    seed: int | None = None,
-    **kwargs: Any,
-) -> Captured:
-    """Run `model(*args, **kwargs)` under no_grad and return every selected module's output
-    (`modules`: display names, default all; as `modeltap.capture.eager.capture`)."""
-    from modeltap.capture.eager import capture as run
-
-    options = {"modules": modules, "inputs": inputs, "train_mode": train_mode, "seed": seed}
-    return run(model, *args, **options, **kwargs)
-
-
-@over_package
-def record(model: Any, out_dir: Any, **options: Any) -> Any:
-    """Record `model` inside a training loop: `with modeltap.record(model, "runs/x") as rec:
-    ... rec.step()`; options as `modeltap.record.recording.record`."""
-    from modeltap.record.recording import record as start
-
-    return start(model, out_dir, **options)
-
 
 _EXPORTS = {
     "hooks": "modeltap.capture",
@@ -105,7 +76,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("diff", "dump"):  # the package, callable as the verb: see modeltap/dump/__init__.py
+    if name in ("capture", "diff", "dump", "record"):  # the package, callable as the verb
         return importlib.import_module(f"modeltap.{name}")
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)

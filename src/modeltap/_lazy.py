@@ -1,7 +1,7 @@
 """Names of a package imported from their modules when first used (PEP 562), so that importing
 the package is free and `modeltap --help` or `modeltap show` loads only the modules it needs; and
-the facade's verbs that share a name with a subpackage (`over_package`, or the package itself made
-callable: `callable_package`)."""
+the facade's verbs that share a name with a subpackage: the package itself made callable
+(`callable_package`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import importlib
 import sys
 import types
 from collections.abc import Callable
-from typing import Any, TypeVar
-
-F = TypeVar("F", bound=Callable[..., Any])
+from typing import Any
 
 
 def lazy_names(package: str, homes: dict[str, str]) -> Callable[[str], Any]:
@@ -25,16 +23,6 @@ def lazy_names(package: str, homes: dict[str, str]) -> Callable[[str], Any]:
         return value
 
     return __getattr__
-
-
-def over_package(verb: F) -> F:
-    """Decorate a facade verb named like a subpackage beside it (`modeltap.record`, the function,
-    and `modeltap/record/`): the package is imported before the verb is bound. The import system
-    binds a package on its parent once, at the package's first import; done here, that binding
-    comes first and the verb's after it, so no later import (`import modeltap.record.index`)
-    puts the package back in the verb's place."""
-    importlib.import_module(f"{verb.__module__}.{verb.__name__}")
-    return verb
 
 
 def callable_package(package: str, home: str, name: str) -> None:

@@ -4,14 +4,15 @@ One module per concern: `keys` (naming rules), `recorder` (events -> sink), then
 `eager` (forward hooks: `hooks`, `capture`), `compile`, `export`, `torchscript`, `fx`. Importing
 this package imports no torch, and each of these modules only when one of its names is first used:
 `modeltap show` needs `split_key`, not the hooks. (No name here is also a module's: importing the
-module would bind it over the name.)
+module would bind it over the name.) This package is also the verb: `modeltap.capture(model, x)`
+calls `eager.capture` (`_lazy.callable_package`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from modeltap._lazy import lazy_names
+from modeltap._lazy import callable_package, lazy_names
 
 if TYPE_CHECKING:
     from modeltap.capture.eager import capture, hooks, run_model
@@ -40,3 +41,5 @@ __getattr__ = lazy_names(__name__, _HOMES)
 # _HOMES declares the names; the imports under TYPE_CHECKING repeat them for type checkers
 # (tests/test_architecture.py checks that they match).
 __all__ = sorted(_HOMES)
+
+callable_package(__name__, "modeltap.capture.eager", "capture")

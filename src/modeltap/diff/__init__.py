@@ -11,7 +11,7 @@ rank); `verb` chooses among them (`diff`), and `from_settings` reads `modeltap d
 of its names is first used. (No name here is also a module's: importing the module would bind it
 over the name.)
 
-This package is also the verb: calling it calls `diff` (`_CallablePackage`). A function on the
+This package is also the verb: calling it calls `diff` (`_lazy.callable_package`). A function on the
 facade named like the package would hide the package's names from `modeltap.diff.diff_dumps`
 and `import modeltap.diff as d`; one object that is both leaves nothing to shadow, whichever
 import comes first.
@@ -19,11 +19,9 @@ import comes first.
 
 from __future__ import annotations
 
-import sys
-import types
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from modeltap._lazy import lazy_names
+from modeltap._lazy import callable_package, lazy_names
 
 if TYPE_CHECKING:
     from modeltap.diff.dumps import REPORT_SCHEMA, DiffReport, MetaChange, diff_dumps, junit_xml
@@ -71,18 +69,4 @@ __getattr__ = lazy_names(__name__, _HOMES)
 # (tests/test_architecture.py checks that they match).
 __all__ = sorted(_HOMES)
 
-
-class _CallablePackage(types.ModuleType):
-    """`modeltap.diff` itself: `modeltap.diff(a, b, ...)` is `modeltap.diff.diff(a, b, ...)`."""
-
-    def __call__(self, a: Any, b: Any, **options: Any) -> Any:
-        return self.diff(a, b, **options)
-
-    @property
-    def __signature__(self) -> Any:  # what inspect.signature and help() show for the call
-        import inspect
-
-        return inspect.signature(self.diff)
-
-
-sys.modules[__name__].__class__ = _CallablePackage
+callable_package(__name__, "modeltap.diff.verb", "diff")

@@ -7,14 +7,15 @@ first NaN/Inf) and `sentinel` (the cheap check of steps not recorded), `flight` 
 `flight_replay` (a trip's module re-run offline), `rules` (small functions over statistics),
 `index` (the per-rank index that `modeltap show DIR` reads), `dist` (ranks and sharded tensors).
 Importing this package imports no torch, and each of these modules only when one of its names is
-first used.
+first used. This package is also the verb: `modeltap.record(model, dir)` calls `recording.record`
+(`_lazy.callable_package`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from modeltap._lazy import lazy_names
+from modeltap._lazy import callable_package, lazy_names
 
 if TYPE_CHECKING:
     from modeltap.record.index import RunIndex, read_run, step_file_name
@@ -67,3 +68,5 @@ __getattr__ = lazy_names(__name__, _HOMES)
 # _HOMES declares the names; the imports under TYPE_CHECKING repeat them for type checkers
 # (tests/test_architecture.py checks that they match).
 __all__ = sorted(_HOMES)
+
+callable_package(__name__, "modeltap.record.recording", "record")
