@@ -26,32 +26,21 @@ except ImportError:  # the older package name
             "modeltap.integrations.lightning needs Lightning: pip install 'modeltap[lightning]'"
         ) from exc
 
-from modeltap.integrations.start import check_options, start_recording
-from modeltap.record import Recording
+from modeltap.integrations.start import RecordingCallback
 
 
-class ModeltapCallback(Callback):
+class ModeltapCallback(RecordingCallback, Callback):
     """Records the LightningModule's training steps; keyword options are `modeltap.record`'s."""
 
     def __init__(self, out_dir: str | os.PathLike[str], *, every: int = 100, **options: Any):
-        check_options(options)
-        self.out_dir = out_dir
-        self.every = every
-        self.options = options
-        self.recording: Recording | None = None
+        super().__init__(out_dir, every=every, **options)
         self._seen_step = 0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         precision = getattr(trainer, "precision_plugin", None)
         self._seen_step = trainer.global_step
-        self.recording = start_recording(
-            pl_module,
-            self.out_dir,
-            every=self.every,
-            global_step=trainer.global_step,
-            scaler=getattr(precision, "scaler", None),
-            options=self.options,
-        )
+        scaler = getattr(precision, "scaler", None)
+        self.start(pl_module, global_step=trainer.global_step, scaler=scaler)
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int

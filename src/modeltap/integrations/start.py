@@ -1,6 +1,6 @@
 """What every framework's callback shares: its options checked, and its recording started at the
-framework's global step (transformers.py and lightning.py import from here; the package's
-`__init__` only names the callbacks)."""
+framework's global step (`RecordingCallback`, the base of transformers.py's and lightning.py's
+callbacks; the package's `__init__` only names them)."""
 
 from __future__ import annotations
 
@@ -47,3 +47,26 @@ def start_recording(
     )
     recording.__enter__()
     return recording
+
+
+class RecordingCallback:
+    """A framework callback's options and recording; the framework's own callback class comes
+    after it in the bases (`class ModeltapCallback(RecordingCallback, TrainerCallback)`)."""
+
+    def __init__(self, out_dir: str | os.PathLike[str], *, every: int = 100, **options: Any):
+        check_options(options)
+        self.out_dir = out_dir
+        self.every = every
+        self.options = options
+        self.recording: Recording | None = None
+
+    def start(self, model: Any, *, global_step: int, scaler: Any) -> None:
+        """Start recording `model` at the framework's `global_step`."""
+        self.recording = start_recording(
+            model,
+            self.out_dir,
+            every=self.every,
+            global_step=global_step,
+            scaler=scaler,
+            options=self.options,
+        )

@@ -13,40 +13,24 @@ until `callback.close()` or the next `train()`, which closes the old recording f
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from transformers import TrainerCallback
 
-from modeltap.integrations.start import check_options, start_recording
-from modeltap.record import Recording
+from modeltap.integrations.start import RecordingCallback
 
 
-class ModeltapCallback(TrainerCallback):
+class ModeltapCallback(RecordingCallback, TrainerCallback):
     """`Trainer(..., callbacks=[ModeltapCallback("runs/exp1", every=50)])`; other keyword
     options are `modeltap.record`'s (grads, params, full_every, include, depth, eval...)."""
-
-    def __init__(self, out_dir: str | os.PathLike[str], *, every: int = 100, **options: Any):
-        check_options(options)
-        self.out_dir = out_dir
-        self.every = every
-        self.options = options
-        self.recording: Recording | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
         if model is None:
             raise ValueError("ModeltapCallback got no model from the Trainer; pass it to Trainer")
         self.close(finished=False)  # a train() that raised left its recording open
-        self.recording = start_recording(
-            model,
-            self.out_dir,
-            every=self.every,
-            global_step=state.global_step,
-            # accelerate's optimizer wrapper holds the GradScaler of fp16 training.
-            scaler=getattr(optimizer, "scaler", None),
-            options=self.options,
-        )
+        # accelerate's optimizer wrapper holds the GradScaler of fp16 training.
+        self.start(model, global_step=state.global_step, scaler=getattr(optimizer, "scaler", None))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.recording is not None:
