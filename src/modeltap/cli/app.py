@@ -398,7 +398,7 @@ def _root(
     version: Annotated[bool, typer.Option("--version", help="Print the version.")] = False,
 ) -> None:
     if version:
-        from modeltap import __version__
+        from modeltap._version import __version__
 
         print(f"modeltap {__version__}")
         raise typer.Exit(0)

@@ -78,7 +78,7 @@ def cividis(fraction: float) -> str:
 
 def versions() -> dict[str, str]:
     """modeltap's version and the installed torch's and transformers' (read without importing)."""
-    from modeltap import __version__
+    from modeltap._version import __version__
 
     found = {"modeltap": __version__}
     for name in ("torch", "transformers", "plotly"):
