@@ -4,6 +4,9 @@ CANDIDATE model when given), make the variant, and run `compare_models` (compare
 from __future__ import annotations
 
 import json
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +33,6 @@ def compare_forward_run(
     `compare_models` on one forward; `options` are compare's tolerances and run options. The
     report names both sides; work files go to `work` (kept) or a temporary folder."""
     import dataclasses
-    import tempfile
 
     from modeltap.compare import compare_models
     from modeltap.loading.resolve import resolve, run_metadata
@@ -61,14 +63,14 @@ def compare_forward_run(
     cand_meta = candidate_meta(s, candidate, variant)
     if other is not None and other.missing_weights:
         cand_meta["missing_weights"] = json.dumps(other.missing_weights)
-    with tempfile.TemporaryDirectory(prefix="modeltap-compare-") as tmp:
+    with work_folder(work) as folder:
         with status(f"comparing {loaded.model_class} with {variant.label}"):
             report = compare_models(
                 loaded.model,
                 candidate,
                 inputs,
                 modules,
-                work or tmp,
+                folder,
                 options=options,
                 keep=work is not None,
                 stats_only=s.stats_only,
@@ -94,6 +96,17 @@ def compare_forward_run(
     report.reference = {**ref_meta, "model_class": loaded.model_class}
     report.candidate = {**cand_meta, "model_class": type(candidate).__name__}
     return report
+
+
+@contextmanager
+def work_folder(work: Path | None) -> Iterator[Path]:
+    """Where a comparison writes its work files: `work` (kept), else a temporary folder removed
+    after."""
+    if work is not None:
+        yield work
+        return
+    with tempfile.TemporaryDirectory(prefix="modeltap-compare-") as tmp:
+        yield Path(tmp)
 
 
 def load_candidate(

@@ -4,7 +4,6 @@ given), make the variant, and run `compare_generation` (compare/generate.py) on 
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +51,7 @@ def compare_generation_run(
     `meta` names both sides."""
     import torch
 
-    from modeltap.compare.forward_run import load_candidate
+    from modeltap.compare.forward_run import load_candidate, work_folder
     from modeltap.compare.generate import compare_generation
     from modeltap.generate import prompt_inputs
     from modeltap.generate.requested import decoding
@@ -82,13 +81,13 @@ def compare_generation_run(
         inputs = Inputs(inputs.args, {**inputs.kwargs, "use_cache": False}, inputs.description)
         rename = list(s.map) + list(COMPILED_RENAME if variant.backend == "compile" else ())
         options = dataclasses.replace(options, rename=rename, replay_depth=s.depth)
-    with tempfile.TemporaryDirectory(prefix="modeltap-compare-") as tmp:
+    with work_folder(work) as folder:
         with status(f"generating with {loaded.model_class} and {variant.label}"):
             result = compare_generation(
                 loaded.model,
                 candidate,
                 inputs,
-                work or tmp,
+                folder,
                 decoding=options_,
                 selection=Selection(s.depth, tuple(s.include), tuple(s.exclude)),
                 options=options,
