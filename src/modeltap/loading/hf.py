@@ -112,33 +112,47 @@ def _from_hub(repo_id: str, revision: str | None, trust_remote_code: bool) -> Mo
         folder = huggingface_hub.snapshot_download(
             repo_id, revision=revision, ignore_patterns=ignore
         )
-    except hub_errors.HFValidationError as exc:
-        raise InputError(
-            f"'{repo_id}' is neither a folder nor a valid Hugging Face id; check the spelling"
-        ) from exc
-    except hub_errors.RevisionNotFoundError as exc:
-        raise InputError(
-            f"model '{repo_id}' has no revision '{revision}'; check --revision"
-        ) from exc
-    except hub_errors.GatedRepoError as exc:
-        raise InputError(
-            f"model '{repo_id}' is gated; accept its terms on the Hub and log in (`hf auth login`)"
-        ) from exc
-    except hub_errors.RepositoryNotFoundError as exc:
-        raise InputError(
-            f"no model '{repo_id}' on the Hugging Face Hub (or it is private); check the id, "
-            "or log in with `hf auth login`"
-        ) from exc
-    except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled, OSError) as exc:
-        cache = huggingface_hub.constants.HF_HUB_CACHE
-        raise InputError(
-            f"model '{repo_id}' is not in the Hugging Face cache ({cache}) and the Hub can't be "
-            "reached; download it once while online, or give a local folder"
-        ) from exc
+    except (
+        hub_errors.HFValidationError,
+        hub_errors.RevisionNotFoundError,
+        hub_errors.GatedRepoError,
+        hub_errors.RepositoryNotFoundError,
+        hub_errors.LocalEntryNotFoundError,
+        hub_errors.OfflineModeIsEnabled,
+        OSError,
+    ) as exc:
+        raise InputError(_hub_message(exc, repo_id, revision)) from exc
     path = Path(folder)
     if not (path / "config.json").is_file():
         raise InputError(f"model '{repo_id}' has no config.json; is it a transformers model?")
     return ModelSource(repo_id, path, revision=path.name)
+
+
+# What to do about snapshot_download's errors, by the first kind (huggingface_hub.errors) that
+# fits: a gated repository is also one not found.
+_HUB_FIXES = {
+    "HFValidationError": "'{repo_id}' is neither a folder nor a valid Hugging Face id; "
+    "check the spelling",
+    "RevisionNotFoundError": "model '{repo_id}' has no revision '{revision}'; check --revision",
+    "GatedRepoError": "model '{repo_id}' is gated; accept its terms on the Hub and log in "
+    "(`hf auth login`)",
+    "RepositoryNotFoundError": "no model '{repo_id}' on the Hugging Face Hub (or it is private); "
+    "check the id, or log in with `hf auth login`",
+}
+
+
+def _hub_message(exc: Exception, repo_id: str, revision: str | None) -> str:
+    """The one line for `exc`, raised by snapshot_download; otherwise the Hub is out of reach."""
+    from huggingface_hub import constants
+    from huggingface_hub import errors as hub_errors
+
+    for kind, message in _HUB_FIXES.items():
+        if isinstance(exc, getattr(hub_errors, kind)):
+            return message.format(repo_id=repo_id, revision=revision)
+    return (
+        f"model '{repo_id}' is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the "
+        "Hub can't be reached; download it once while online, or give a local folder"
+    )
 
 
 def model_class(name: str) -> Any:

@@ -58,6 +58,11 @@ def _either(fixes: list[str]) -> str:
     return ", or ".join(fixes)
 
 
+def _fixes(first: str, offered: Offered, flag: str, fix: str) -> str:
+    """`first`, or `fix` too where the caller's command has `flag`."""
+    return _either([first, fix] if _has(offered, flag) else [first])
+
+
 def classify(path: str | os.PathLike[str], *, offered: Offered = None) -> Kind:
     """An image or an audio file, by its first bytes; anything else is refused with the formats
     (and the options of `offered` that would take it)."""
@@ -84,12 +89,9 @@ def classify(path: str | os.PathLike[str], *, offered: Offered = None) -> Kind:
     if p.suffix.lower() in _TENSOR_SUFFIXES:
         fix = f"pass --input-file {p}" if _has(offered, "--input-file") else "give text or files"
         raise InputError(f"'{p.name}' holds tensors, not an image or audio; {fix}")
-    fixes = ["convert it"]
-    if _has(offered, "--text"):
-        fixes.append("pass it with --text to run its name as text")
     raise InputError(
         f"'{p}' is not a supported image ({IMAGE_FORMATS}) or audio ({AUDIO_FORMATS}) file; "
-        + _either(fixes)
+        + _fixes("convert it", offered, "--text", "pass it with --text to run its name as text")
     )
 
 
@@ -280,10 +282,9 @@ def _check_parts(parts: _Parts, media: Media, name: str, offered: Offered) -> No
         (media.audio, parts.audio, "audio", "a feature extractor"),
     ):
         if given and part is None:
-            fixes = ["give text"]
-            if _has(offered, "--processor"):
-                fixes.append(f"--processor with one that has {has}")
-            raise InputError(f"the model's processor ({name}) takes no {what}; {_either(fixes)}")
+            fix = f"--processor with one that has {has}"
+            fix = _fixes("give text", offered, "--processor", fix)
+            raise InputError(f"the model's processor ({name}) takes no {what}; {fix}")
     if media.texts and parts.tokenizer is None:
         raise InputError(
             f"the model's processor ({name}) takes no text; give only image or audio files"
@@ -382,12 +383,9 @@ def _chat_prompt(processor: Any, media: Media, offered: Offered = None) -> str:
     if len(media.texts) != 1:
         raise InputError(f"--chat makes one user turn; give one TEXT (got {len(media.texts)})")
     if not getattr(processor, "chat_template", None):
-        fixes = ["drop --chat"]
-        if _has(offered, "--processor"):
-            fixes.append("pass --processor with one that has")
         raise InputError(
             f"the model's processor ({type(processor).__name__}) has no chat template; "
-            + _either(fixes)
+            + _fixes("drop --chat", offered, "--processor", "pass --processor with one that has")
         )
     text = media.texts[0]
     content: Any = text
