@@ -236,24 +236,20 @@ def load_model(
             missing=missing,
         )
     held.let_through()
+    device_map_used = None
     if placement is None:
         model.to(target).eval()
-        return Loaded(
-            model,
-            source,
-            dtype=dtype.value,
-            device=target,
-            model_class=type(model).__name__,
-            missing_weights=missing,
-        )
-    model.eval()
+    else:
+        model.eval()
+        target = str(placing.input_device(model))
+        device_map_used = dict(getattr(model, "hf_device_map", None) or {})
     return Loaded(
         model,
         source,
         dtype=dtype.value,
-        device=str(placing.input_device(model)),
+        device=target,
         model_class=type(model).__name__,
-        device_map=dict(getattr(model, "hf_device_map", None) or {}),
+        device_map=device_map_used,
         missing_weights=missing,
     )
 
