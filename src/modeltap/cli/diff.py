@@ -11,24 +11,12 @@ import typer
 from modeltap.cli.app import app, given, handle_errors, refuse, stdout, write_atomically
 from modeltap.cli.options import DIFF, Given, command
 from modeltap.config import Settings
-from modeltap.config.declare import CliOption
+from modeltap.config.declare import path_argument
 from modeltap.diff.from_settings import diff_report, diff_tolerances
 from modeltap.errors import InputError
 
-A = CliOption(
-    argument=True,
-    help="First dump, e.g. the candidate.",
-    metavar="A",
-    type=Path,
-    required=True,
-)
-B = CliOption(
-    argument=True,
-    help="Second dump; rtol is relative to |B|, as torch.allclose(A, B).",
-    metavar="B",
-    type=Path,
-    required=True,
-)
+A = path_argument("First dump, e.g. the candidate.", "A")
+B = path_argument("Second dump; rtol is relative to |B|, as torch.allclose(A, B).", "B")
 
 
 @app.command("diff")

@@ -9,7 +9,7 @@ import typer
 
 from modeltap.cli.app import app, handle_errors, stdout
 from modeltap.cli.options import command
-from modeltap.config.declare import CliOption
+from modeltap.config.declare import CliOption, path_argument
 from modeltap.errors import InputError
 
 
@@ -19,13 +19,7 @@ from modeltap.errors import InputError
     "replay",
     (
         "run_dir",
-        CliOption(
-            argument=True,
-            help="A run folder of modeltap.record.",
-            metavar="RUN_DIR",
-            type=Path,
-            required=True,
-        ),
+        path_argument("A run folder of modeltap.record.", "RUN_DIR"),
     ),
     "model",
     (

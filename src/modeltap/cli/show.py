@@ -9,15 +9,11 @@ from typing import Any
 from modeltap.cli.app import app, handle_errors, stderr, stdout
 from modeltap.cli.options import command
 from modeltap.cli.printing import print_generation, print_opened
-from modeltap.config.declare import CliOption
+from modeltap.config.declare import CliOption, path_argument
 from modeltap.errors import InputError
 
-PATH = CliOption(
-    argument=True,
-    help="A dump written by modeltap (or any safetensors), or a run folder of modeltap.record.",
-    metavar="PATH",
-    type=Path,
-    required=True,
+PATH = path_argument(
+    "A dump written by modeltap (or any safetensors), or a run folder of modeltap.record.", "PATH"
 )
 STEP = CliOption(
     help="Run folder: show this recorded step's tree; generation dump: this decoding step's "

@@ -61,3 +61,11 @@ def option(default: Any = None, *flags: str, factory: Any = None, **cli: Any) ->
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def path_argument(help: str, metavar: str) -> CliOption:
+    """A required positional file or folder of a command of the command line only (diff's A and
+    B, show's PATH, replay's RUN_DIR)."""
+    from pathlib import Path
+
+    return CliOption(argument=True, help=help, metavar=metavar, type=Path, required=True)
