@@ -10,7 +10,7 @@ rule, the most extreme value a healthy run reached, beside the default threshold
     .venv/bin/python scripts/calibrate_rules.py [--steps 8] [--bert-base]
 
 A default threshold is right when the healthy extremes stay clear of it: no warnings on a healthy
-run. The README's "Rules" section holds the figures this printed.
+run. The Rules section of docs/commands/record.md holds the figures this printed.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ byte-level BPE tokenizer (tests/fixtures/hf.py, laid out offline). Then:
      synchronized; the median, and the peak RSS (VmHWM, reset after the warm-up where Linux lets
      it be: else the process's peak, loading included, marked *) and the GPU's peak allocated
      memory over the timed calls. modeltap's sides take the statistics on the device and copy
-     tensors through a pinned buffer with non-blocking copies, as every CUDA dump does (README:
-     "For CUDA tensors").
+     tensors through a pinned buffer with non-blocking copies, as every CUDA dump does
+     (docs/performance.md: "For CUDA tensors").
        dump       dump_model (tensors + statistics)         / a bare forward
                                                             / bare hooks keeping each module's
                                                               output + safetensors' save_file

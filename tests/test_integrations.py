@@ -408,7 +408,7 @@ def test_show_run_never_cuts_a_number_nor_a_name_end(tmp_path: Path, width: int)
 
 
 def test_accelerate_recipe_records_optimizer_steps(tmp_path: Path) -> None:
-    """The README's Accelerate recipe: `record` around the loop, `rec.step()` when the
+    """The NaN guide's Accelerate recipe: `record` around the loop, `rec.step()` when the
     accelerator synchronised gradients (an optimizer step), with its GradScaler if any."""
     from accelerate import Accelerator
 

@@ -35,7 +35,8 @@ def _check(values: Mapping[str, Any], where: str) -> dict[str, Any]:
         name = key.replace("-", "_")
         if name not in _FIELDS:
             guess = suggest(name, _FIELDS)
-            hint = f"did you mean '{guess}'?" if guess else "see the README for the keys"
+            keys = "see docs/reference/configuration.md for the keys"
+            hint = f"did you mean '{guess}'?" if guess else keys
             raise InputError(f"{where}: unknown setting '{key}'; {hint}")
         expected = _TYPES.get(name, str)
         ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))

@@ -7,7 +7,8 @@ If the final header does not fit the reservation, or would leave it mostly paddi
 moved once behind a header of its own size (dump/writer.py). Either way the layout is plain
 safetensors (padding is trailing spaces in the JSON), so the format version stays.
 
-Metadata (`__metadata__`, all values strings, JSON where structured): see METADATA_KEYS and README.
+Metadata (`__metadata__`, all values strings, JSON where structured): see METADATA_KEYS and
+docs/reference/dump-format.md.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ PROBES = ("rademacher", "gaussian")
 
 @dataclass(frozen=True)
 class GradSpec:
-    """What to differentiate, and how. See the README's `modeltap grads` section."""
+    """What to differentiate, and how. See docs/commands/grads.md."""
 
     target: str | None = None
     wrt: tuple[str, ...] = ()

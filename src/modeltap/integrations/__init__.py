@@ -4,7 +4,8 @@ only when used.
     from modeltap.integrations import ModeltapCallback            # transformers.Trainer
     from modeltap.integrations.lightning import ModeltapCallback  # Lightning
 
-Accelerate needs none: `with modeltap.record(model, ...)` around its loop (see the README).
+Accelerate needs none: `with modeltap.record(model, ...)` around its loop (see
+docs/guides/nan-in-training.md).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ a tensor holding NaN/Inf by its size: its norm and extremes are those of its fin
 (a GradScaler-skipped step's gradient, NaN where a ReLU let it through and 0 elsewhere, would
 read as vanishing); the tripwire and the `nonfinite` count report it. The defaults are
 calibrated on healthy runs (scripts/calibrate_rules.py: MiniLM fine-tuned as a classifier,
-bert-base MLM) so that those give no warning; the README's "Rules" section has the figures. A
+bert-base MLM) so that those give no warning; docs/commands/record.md ("Rules") has the figures. A
 signed output's share of units never above 0 sits near 50% by symmetry (0.50 on MiniLM's token
 type embeddings), hence 0.9 for dead units.
 """
