@@ -358,7 +358,16 @@ def check_page(page: Path) -> tuple[str, list[str]]:
 
 def main() -> int:
     args = sys.argv[1:]
+    if {"-h", "--help"} & set(args):
+        print(__doc__.split("\n\n")[2])  # the usage lines of the module docstring
+        return 0
     check = "--check" in args
+    unknown = [a for a in args if a.startswith("-") and a != "--check"]
+    missing = [a for a in args if not a.startswith("-") and not Path(a).is_file()]
+    if unknown or missing:
+        print(f"readme_examples: no option or page {(unknown + missing)[0]!r}; see --help",
+              file=sys.stderr)
+        return 2
     chosen = [Path(a).resolve() for a in args if a != "--check"] or pages()
     failed = 0
     for page in chosen:
