@@ -22,9 +22,10 @@ compare, and each stage has one place, named for it, beside this file:
     errors.py       ModeltapError, whose messages say what to do; _version.py holds the version
 
 The public API is imported lazily so that `import modeltap` (and `modeltap --help`) stays instant.
-The verbs `capture`, `diff`, `dump` and `record` are the packages of those names made callable
-(`_lazy.callable_package`): `modeltap.record(model, dir)` records, `modeltap.record.RecordOptions`
-and `import modeltap.record.recording` work too, whichever import comes first.
+The verbs `capture`, `compare`, `diff`, `dump`, `generate`, `grads` and `record` are the packages
+of those names made callable (`_lazy.callable_package`): `modeltap.record(model, dir)` records,
+`modeltap.record.RecordOptions` and `import modeltap.record.recording` work too, whichever import
+comes first. The verbs `export`, `load_dump` and `report` (render/report/write.py) are functions.
 """
 
 from __future__ import annotations
@@ -55,11 +56,15 @@ _EXPORTS = {
     "generate_model": "modeltap.generate",
     "step_view": "modeltap.generate",
     "export": "modeltap.exporting",
+    "report": "modeltap.render.report.write",
 }
 
 # _EXPORTS declares the lazy names; the imports under TYPE_CHECKING repeat them for type checkers
 # (tests/test_architecture.py checks that they match).
-__all__ = sorted([*_EXPORTS, "__version__", "capture", "diff", "dump", "record"])
+# The verbs that are their packages, made callable (`_lazy.callable_package`).
+_PACKAGE_VERBS = ("capture", "compare", "diff", "dump", "generate", "grads", "record")
+
+__all__ = sorted([*_EXPORTS, "__version__", *_PACKAGE_VERBS])
 
 if TYPE_CHECKING:
     from modeltap.capture import Captured, hooks
@@ -71,12 +76,13 @@ if TYPE_CHECKING:
     from modeltap.generate import generate_model, step_view
     from modeltap.loading import Inputs, file_inputs, load_model, text_inputs
     from modeltap.loading.processors import inputs_from
+    from modeltap.render.report.write import report
     from modeltap.selection import Selection, select_modules
     from modeltap.stats import TensorStats, tensor_stats
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("capture", "diff", "dump", "record"):  # the package, callable as the verb
+    if name in _PACKAGE_VERBS:  # the package, callable as the verb
         return importlib.import_module(f"modeltap.{name}")
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -51,25 +51,10 @@ def report_command(
         page = _diff_page(
             inputs[0], inputs[1], command, config=config, **as_settings("report", diff_options)
         )
-    elif first.is_dir():
-        from modeltap.record.index import read_run
-        from modeltap.render.report import run_page
-
-        page = run_page(read_run(first), command=command)
-    elif first.suffix == ".json":
-        from modeltap.render.report import compare_page, read_compare_json
-        from modeltap.render.report.compare_page import GENERATE_SCHEMA, compare_generate_page
-
-        if not first.is_file():
-            raise InputError(f"no file '{first}'; check the path")
-        data = read_compare_json(first)
-        build = compare_generate_page if data.get("schema") == GENERATE_SCHEMA else compare_page
-        page = build(data, command=command)
     else:
-        from modeltap.dump import load_dump
-        from modeltap.render.report import dump_page
+        from modeltap.render.report.write import page_of
 
-        page = dump_page(load_dump(first), command=command)
+        page = page_of(first, command)
     write_html(target, page)
 
 

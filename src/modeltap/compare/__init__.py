@@ -2,11 +2,14 @@
 short-circuited to the reference's outputs (`replay`, `shortcut`), and say which one introduced
 the error, as a report (`report`) on a candidate built from the reference (`variants`).
 
-Reuses diff for every tensor comparison, tolerance and the first divergence.
+Reuses diff for every tensor comparison, tolerance and the first divergence. This package is also
+the verb: `modeltap.compare(model, candidate, inputs)` calls `verb.compare`
+(`_lazy.callable_package`).
 """
 
 from __future__ import annotations
 
+from modeltap._lazy import callable_package
 from modeltap.compare.bisect import Bisection, bisect
 from modeltap.compare.replay import CANDIDATE_FILE, REFERENCE_FILE, Options, compare_models
 from modeltap.compare.report import REPORT_SCHEMA, CompareReport, ModuleResult
@@ -27,3 +30,5 @@ __all__ = [
     "make_candidate",
     "parse_against",
 ]
+
+callable_package(__name__, "modeltap.compare.verb", "compare")

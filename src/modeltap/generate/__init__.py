@@ -2,7 +2,9 @@
 
 Modules: `keys` (the step prefix), `options` (Decoding, StepPlan, prompt and checks), `decode`
 (`generate_model`), `loop` (what the hooks learn of generate's decoding loop: steps, choices),
-`reader` (`step_view` and the metadata).
+`reader` (`step_view` and the metadata), `verb` (`generate`: the verb from Python). This package
+is also the verb: `modeltap.generate(model, tokenizer, prompt, path)` calls `verb.generate`
+(`_lazy.callable_package`).
 
 Step 0 is the prompt's forward (the prefill; for an encoder-decoder the encoder's forward too), step
 k the forward that takes the k-th new token, using the KV cache; step k chooses new token k + 1.
@@ -18,6 +20,7 @@ ids and text of each row, each step's chosen token with its probability and the 
 steps hold tensors, forwards outside the loop, and why decoding stopped.
 """
 
+from modeltap._lazy import callable_package
 from modeltap.generate.decode import Generated, generate_model
 from modeltap.generate.keys import CACHE_MODULE, STEP_PREFIX, split_step, step_key
 from modeltap.generate.options import (
@@ -46,3 +49,5 @@ __all__ = [
     "step_view",
     "steps_of",
 ]
+
+callable_package(__name__, "modeltap.generate.verb", "generate")

@@ -1,0 +1,77 @@
+"""`modeltap.compare(model, candidate, inputs)`: what `modeltap compare` reports, from Python."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from modeltap.compare.report import CompareReport
+
+
+def compare(
+    model: nn.Module,
+    candidate: nn.Module | str,
+    inputs: Any,
+    *,
+    preset: str | None = None,
+    depth: int | None = None,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    atol: float | None = None,
+    rtol: float | None = None,
+    tokenizer: Any = None,
+    equal_nan: bool = False,
+    seed: int = 0,
+    out_dir: str | os.PathLike[str] | None = None,
+) -> CompareReport:
+    """Run `model` and `candidate` on `inputs`, replay each selected module with the reference's
+    inputs, and return the report (`.passed`, `.origins`: the modules that introduced the error).
+
+    `candidate`: a model with `model`'s module names, or a variant of `model` as `--against`
+    names it (`"bf16"`, `"fp16"`, `"attn:sdpa"`, `"int8-weight"`...). `preset`: the tolerances
+    (default: the variant's, as `modeltap compare`); `atol`, `rtol` over it. `inputs`, `depth`,
+    `include`, `exclude` and `tokenizer` as `modeltap.dump`'s; `out_dir` keeps both dumps."""
+    from pathlib import Path
+
+    from modeltap.compare.replay import Options, compare_models
+    from modeltap.compare.variants import DEFAULT_PRESET, make_candidate, parse_against
+    from modeltap.config import preset_names, read_preset
+    from modeltap.config.files import ACCUMULATED_KEY
+    from modeltap.diff.tolerance import from_preset
+    from modeltap.dumping import as_inputs
+    from modeltap.errors import InputError
+    from modeltap.selection import Selection, select_modules
+
+    if isinstance(candidate, str):
+        variant = parse_against(candidate)
+        if variant.backend:
+            raise InputError(
+                f"'{candidate}' rebuilds the model's modules; run `modeltap compare "
+                f"--against {candidate}` for it"
+            )
+        default = DEFAULT_PRESET[variant.kind]
+        preset = preset or (default if default in preset_names() else "fp32")
+        candidate = make_candidate(model, variant, shared=True)
+    tolerance, _ = from_preset(preset, atol=atol, rtol=rtol)
+    accumulated = float(read_preset(preset).get(ACCUMULATED_KEY, 0.0)) if preset else 0.0
+    options = Options(
+        tolerance=tolerance, accumulated_scaled_atol=accumulated, equal_nan=equal_nan, seed=seed
+    )
+    selection = Selection(depth=depth, include=tuple(include), exclude=tuple(exclude))
+    modules = select_modules(model, selection)
+    run_on = as_inputs(inputs, tokenizer=tokenizer)
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        report = compare_models(
+            model, candidate, run_on, modules, out_dir, options=options, keep=True
+        )
+    else:
+        with tempfile.TemporaryDirectory(prefix="modeltap-compare-") as work:
+            report = compare_models(model, candidate, run_on, modules, work, options=options)
+    report.preset = preset
+    return report
