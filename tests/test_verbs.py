@@ -88,3 +88,18 @@ def test_report_verb_writes_a_page_naming_the_dumps_modules(tmp_path):
     html = page.read_text(encoding="utf-8")
     assert html.startswith("<!DOCTYPE html>")
     assert all(name in html for name in names)
+
+
+def test_verbs_refuse_what_they_cannot_do_with_the_fix(tmp_path):
+    from modeltap.errors import InputError
+
+    model = _mlp()
+    with pytest.raises(InputError, match="modeltap compare --against compile"):
+        modeltap.compare(model, "compile", torch.randn(3, 4))
+    with pytest.raises(InputError, match="one of sum"):
+        modeltap.grads(model, torch.randn(2, 4), tmp_path / "g.safetensors", loss="l2")
+    assert not (tmp_path / "g.safetensors").exists()
+    pytest.importorskip("plotly")
+    path = modeltap.dump(model, torch.randn(2, 4), tmp_path / "d.safetensors")
+    with pytest.raises(InputError, match="out="):
+        modeltap.report(path, tmp_path)

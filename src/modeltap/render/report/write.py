@@ -40,7 +40,7 @@ def report(source: str | os.PathLike[str], out: str | os.PathLike[str] | None = 
     returns the path. Two dumps' diff: `modeltap report A B`."""
     first = Path(source)
     target = Path(out) if out is not None else Path(first.resolve().name + ".html")
-    check_html_target(target, "out")
+    check_html_target(target, "out=")
     return write_html(target, page_of(first, invocation("report", [str(first), "-o", str(target)])))
 
 
