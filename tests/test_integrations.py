@@ -17,6 +17,7 @@ from torch import nn
 
 from modeltap.dump import load_dump
 from modeltap.record import read_run
+from tests.fixtures import frameworks
 from tests.fixtures.recorded_runs import run_with_fault, tripped_run
 
 TEXTS = ["hello world", "the quick brown fox", "numbers users can trust", "a second sentence"]
@@ -226,10 +227,7 @@ def test_grad_scaler_skipped_step_is_reported_and_grads_unscaled(
 
 
 def test_lightning_callback_steps_equal_global_step(tmp_path: Path) -> None:
-    if os.environ.get("CI"):
-        import lightning.pytorch as pl  # setup installs the extra: in CI this never skips
-    else:
-        pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
+    pl = frameworks.lightning()
 
     from modeltap.integrations.lightning import ModeltapCallback
 
@@ -581,10 +579,7 @@ def test_trainer_trip_at_an_unrecorded_step_names_the_module(tmp_path: Path, eag
 def test_lightning_trip_when_training_step_calls_a_submodule(tmp_path: Path) -> None:
     """Lightning, the LightningModule's training_step calling `self.net(x)` (its own forward never
     runs): a NaN made by net.1 at global step 3 (not recorded) raises out of fit() naming it."""
-    if os.environ.get("CI"):
-        import lightning.pytorch as pl
-    else:
-        pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
+    pl = frameworks.lightning()
 
     from modeltap.integrations.lightning import ModeltapCallback
     from modeltap.record import NonFiniteError
@@ -630,14 +625,6 @@ def test_lightning_trip_when_training_step_calls_a_submodule(tmp_path: Path) -> 
 # optimizer step takes (item 4b) ---------------------------------------------------------------
 
 
-def _lightning():  # noqa: ANN202 - the lightning.pytorch module
-    if os.environ.get("CI"):
-        import lightning.pytorch as pl
-    else:
-        pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
-    return pl
-
-
 def _recorded_param_grads(run: Path, step: int) -> dict[str, torch.Tensor]:
     path = run / f"step{step:06d}.rank0.safetensors"
     params = json.loads(load_dump(path).metadata["grad"])["params"]
@@ -668,7 +655,7 @@ def test_lightning_records_the_gradients_the_optimizer_step_applies(
     explicitly; the flag alone falls back to bfloat16 there): the gradients are the unscaled
     ones. With `gradient_clip_val` (applied after `on_before_optimizer_step`) they are the
     clipped ones the SGD step applied, read after it in the module's own `optimizer_step`."""
-    pl = _lightning()
+    pl = frameworks.lightning()
     from lightning.pytorch.plugins import MixedPrecision
 
     from modeltap.integrations.lightning import ModeltapCallback

@@ -24,6 +24,7 @@ from torch import nn
 import modeltap
 from modeltap.errors import InputError
 from modeltap.record import read_run
+from tests.fixtures import frameworks
 
 
 def _events(folder: Path) -> list[dict]:
@@ -323,10 +324,7 @@ def test_trainer_resumed_from_the_last_checkpoint_continues_the_folder(
 
 
 def test_lightning_resumed_into_a_new_folder_records_by_global_step(tmp_path: Path) -> None:
-    if os.environ.get("CI"):
-        import lightning.pytorch as pl  # setup installs the extra: in CI this never skips
-    else:
-        pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
+    pl = frameworks.lightning()
 
     from modeltap.integrations.lightning import ModeltapCallback
 
