@@ -73,6 +73,10 @@ class OpTracer:
         if self.stack:
             self.stack.pop()
 
+    def next_pass(self) -> None:
+        """Another forward follows (generate's next step): module calls count from 0 again."""
+        self._calls.clear()
+
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.paused or not self.stack or getattr(func, "__name__", "") in _NOT_OPS:
             return func(*args, **kwargs)
