@@ -3,13 +3,16 @@
 Every fenced block of a page whose lines start with `$ modeltap ...` is an example: each command
 runs (in-process, 80 columns, in a scratch folder shared by the page's blocks, with the checkout's
 `models/` linked in) and the lines after it, up to the next `$` line, are its output (stdout, then
-stderr). `$ echo $?` prints the previous command's exit code and `$ ls ARGS` lists files as `ls`
-does. A line `...` elides output: there, the page's lines are kept and only their numbers are
-refreshed, each from the generated line with the same words. A block that also runs something
-else (a pipe, a program that is not on this machine) is left as written. A ```python block runs
-too (in the same folder, in page order, its own globals), and fails the check when it raises;
-one that cannot run alone (it needs your dataset or a framework's launcher) says so in the line
-before its fence: `<!-- example: fragment -->`.
+stderr). `$ echo $?` prints the previous command's exit code, `$ ls ARGS` lists files as `ls` does,
+`$ python NAME.py` runs the script docs/examples/NAME.py (copied into the scratch folder, where
+the page can link it; its stdout, and its stderr only when it fails), and `| head -N` after a
+command keeps its first N lines. A line `...` elides output: there, the page's lines are kept and
+only their numbers are refreshed, each from the generated line with the same words. A block
+that runs anything else fails the check (`skipped`) unless it is marked a fragment, as below. A
+```python block runs too (in the same folder, in page order, its own globals), and fails the
+check when it raises. A block that cannot run here (it needs your dataset or a framework's
+launcher) says so in the line before its fence, `<!-- example: fragment -->`, and in its text;
+no `$` block of the docs is one.
 
     python scripts/readme_examples.py                   # rewrite README.md and docs/**/*.md
     python scripts/readme_examples.py --check           # exit 1 if an example is out of date
@@ -49,6 +52,7 @@ from tests.fixtures.golden import number, same_line  # noqa: E402
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
+EXAMPLES = DOCS / "examples"  # the scripts a page's `$ python NAME.py` runs
 FENCE = "```"
 ELIDED = "..."
 FRAGMENT = "<!-- example: fragment -->"
@@ -162,8 +166,6 @@ def _tiny_gpt2_fault(folder: Path) -> None:
             shutil.copy(name, folder / name.name)
 
 
-# Folders and files some examples name, made in the scratch folder the first time a command
-# mentions them.
 def _commands(block: list[str]) -> list[tuple[str, list[str]]]:
     """(command, page's output lines) pairs of one block, continuations joined."""
     pairs: list[tuple[str, list[str]]] = []
@@ -215,6 +217,21 @@ def _tiny_gpt2(folder: Path) -> None:
     build_gpt2(folder)
 
 
+def _tiny_whisper(folder: Path) -> None:
+    """`./tiny-whisper` of the generate page: the tests' tiny Whisper with its processor."""
+    from tests.fixtures.media import build_whisper_generator
+
+    build_whisper_generator(folder)
+
+
+def _tone(path: Path) -> None:
+    """`tone.wav` of the generate page: 1.028 s of a 440 Hz sine at 16 kHz, longer than the tiny
+    Whisper's 1 s window."""
+    from tests.fixtures.media import tone, write_wav
+
+    write_wav(path, tone(16_000, 1.028), 16_000)
+
+
 # Folders and files some examples name, made in the scratch folder the first time a command
 # mentions them.
 FIXTURES = {
@@ -227,19 +244,48 @@ FIXTURES = {
     "./tiny-gpt2-fault": _tiny_gpt2_fault,
     "cat.png": _picture(1, 64, 48),
     "dog.jpg": _picture(2, 40, 60),
+    "./tiny-whisper": _tiny_whisper,
+    "tone.wav": _tone,
 }
 
 
+def _head(args: list[str]) -> tuple[list[str], int | None]:
+    """A command's own words, and N of a `| head -N` after it (None without one)."""
+    if "|" not in args:
+        return args, None
+    at = args.index("|")
+    pipe = args[at + 1 :]
+    if len(pipe) != 2 or pipe[0] != "head" or not re.fullmatch(r"-\d+", pipe[1]):
+        raise ValueError(f"only `| head -N` follows a command here, not `| {shlex.join(pipe)}`")
+    return args[:at], int(pipe[1][1:])
+
+
 def run(command: str, cwd: Path) -> tuple[list[str], int]:
-    """Run one `modeltap ...` command in-process, or `ls`; (output lines, exit code)."""
+    """Run one command; (output lines, exit code)."""
+    args, head = _head(shlex.split(command, comments=True))
+    lines, code = _run_one(args, cwd)
+    return (lines if head is None else lines[:head]), code
+
+
+def _run_one(args: list[str], cwd: Path) -> tuple[list[str], int]:
+    """`modeltap ...` in-process, `ls`, or `python NAME.py` (docs/examples/NAME.py)."""
     from typer.testing import CliRunner
 
     from modeltap.cli import app
 
-    args = shlex.split(command, comments=True)
     for name, build in FIXTURES.items():
         if name in args and not (cwd / name).exists():
             build(cwd / name)
+    if args[0] == "python":
+        script = cwd / args[1]
+        script.write_text((EXAMPLES / args[1]).read_text(encoding="utf-8"), encoding="utf-8")
+        done = subprocess.run(
+            [sys.executable, *args[1:]], cwd=cwd, capture_output=True, text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )  # fmt: skip
+        # stdout alone: the libraries' warnings and progress bars vary between installs
+        text = done.stdout + (done.stderr if done.returncode else "")
+        return text.rstrip("\n").splitlines(), done.returncode
     if args[0] == "ls":
         done = subprocess.run(
             ["ls", "-C", "-w", "80", "-T", "0", *args[1:]],
@@ -256,7 +302,7 @@ def run(command: str, cwd: Path) -> tuple[list[str], int]:
     finally:
         os.chdir(old)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise RuntimeError(f"`{command}` raised {result.exception!r}")
+        raise RuntimeError(f"`{shlex.join(args)}` raised {result.exception!r}")
     text = result.stdout + result.stderr
     return [line.rstrip() for line in text.splitlines()], result.exit_code
 
@@ -276,17 +322,24 @@ def run_python(code: str, cwd: Path) -> str | None:
 
 
 def _runnable(commands: list[str]) -> bool:
-    """Whether every `$` line of a block is one this script runs: modeltap, `echo $?`, or `ls`
-    without a pattern for a shell to expand."""
+    """Whether every `$` line of a block is one this script runs: modeltap, `echo $?`, `ls`
+    without a pattern for a shell to expand, or `python NAME.py` of docs/examples, each at most
+    followed by `| head -N`."""
 
     def one(command: str) -> bool:
+        command = re.sub(r" \| head -\d+$", "", command)
+        if "|" in command:
+            return False
         if command == "$ echo $?":
             return True
         if command.startswith("$ ls ") or command == "$ ls":
             return not any(c in command for c in "*?[")
+        script = re.fullmatch(r"\$ python (\w+\.py)(\s+#.*)?", command)
+        if script:
+            return (EXAMPLES / script[1]).is_file()
         return command.startswith("$ modeltap ")
 
-    return bool(commands) and all(map(one, commands)) and "|" not in "".join(commands)
+    return bool(commands) and all(map(one, commands))
 
 
 def _run_block(block: list[str], scratch: Path, rule: Rule) -> tuple[list[str], list[str]]:
@@ -294,7 +347,9 @@ def _run_block(block: list[str], scratch: Path, rule: Rule) -> tuple[list[str], 
     out: list[str] = []
     problems: list[str] = []
     last_code = 0
-    raw = iter(block)
+    lead = next(i for i, line in enumerate(block) if line.startswith("$ "))
+    out += block[:lead]  # text before the first command (what led to it) is kept as written
+    raw = iter(block[lead:])
     for command, shown in _commands(block):
         head = next(raw)
         out.append(head)
@@ -334,9 +389,13 @@ def regenerate(text: str, scratch: Path) -> tuple[str, list[str]]:
             if error:
                 problems.append(f"the python block at line {i - len(block) - 1} raised {error}")
         commands = [b for b in block if b.startswith("$ ")]
-        if line.strip() == FENCE and _runnable(commands):
-            block, stale = _run_block(block, scratch, _rule(marker))
-            problems += stale
+        if line.strip() == FENCE and commands and marker.strip() != FRAGMENT:
+            if _runnable(commands):
+                block, stale = _run_block(block, scratch, _rule(marker))
+                problems += stale
+            else:
+                problems.append(f"the block at line {i - len(block) - 1} is skipped: it runs "
+                                "what this script can't; make it runnable, or mark it a fragment")
         out.extend(block)
         out.append(FENCE)
     return "\n".join(out) + "\n", problems

@@ -172,3 +172,32 @@ def test_python_snippets_run_and_fragments_are_left_alone(tmp_path):
     assert problems == ["the python block at line 2 raised ValueError: no dataset"]
     fragment = "<!-- example: fragment -->\n" + broken.split("\n", 1)[1]
     assert examples.regenerate(fragment, tmp_path) == (fragment, [])
+
+
+def test_a_block_the_script_cannot_run_fails_the_check_unless_marked_a_fragment(tmp_path):
+    """Before: a block with a pipe or another program was left as written, silently."""
+    examples = _examples()
+    page = "```\n$ espeak-ng -w spoken.wav hello\n$ modeltap ls spoken.wav\n```\n"
+    _, problems = examples.regenerate(page, tmp_path)
+    assert problems == [
+        "the block at line 1 is skipped: it runs what this script can't; make it runnable, "
+        "or mark it a fragment"
+    ]
+    fragment = "<!-- example: fragment -->\n" + page
+    assert examples.regenerate(fragment, tmp_path) == (fragment, [])
+    piped = "```\n$ modeltap --help | grep dump\n```\n"
+    assert examples.regenerate(piped, tmp_path)[1][0].startswith("the block at line 1 is skipped")
+
+
+def test_head_keeps_a_commands_first_lines_and_python_runs_a_docs_example(tmp_path):
+    examples = _examples()
+    (tmp_path / "a.txt").write_text("")
+    (tmp_path / "b.txt").write_text("")
+    every, code = examples.run("ls -1", tmp_path)
+    assert every == ["a.txt", "b.txt"] and code == 0
+    assert examples.run("ls -1 | head -1", tmp_path) == (["a.txt"], 0)
+    # a script of docs/examples runs in the scratch folder, its stdout the output
+    page = "```\n$ python nan_at_step3.py\nNonFiniteError: stale\n```\n"
+    _, problems = examples.regenerate(page, tmp_path)
+    assert len(problems) == 1 and "NonFiniteError: non-finite forward at step 3" in problems[0]
+    assert (tmp_path / "runs" / "exp2").is_dir()
