@@ -97,7 +97,6 @@ def test_minilm_attention_probabilities_equal_output_attentions(minilm_dir, tmp_
     ("extra", "message"),
     [
         (["--compile"], "--ops sees the torch functions"),
-        (["--grads"], "--ops is for activations"),
     ],
 )
 def test_ops_refused_in_one_line(extra, message) -> None:

@@ -151,7 +151,8 @@ def dump_model(
     `max_inflight`: bytes the writer thread may hold copied but not yet written (see `DumpWriter`).
     `hist`: a fixed-bin histogram per tensor in its statistics (`stats.HIST_EDGES`).
     `formats`: the low-precision what-if figures of each float tensor (stats/formats.py).
-    `ops`: also the ops of the selected modules' own code (capture/ops.py; eager only).
+    `ops`: also the ops of the selected modules' own code (capture/ops.py; of an exported
+    program or FX GraphModule: its graph's nodes, capture/graph_ops.py).
     """
     selection = selection or Selection()
     if formats:
@@ -160,7 +161,7 @@ def dump_model(
         formats = tuple(check_formats(formats))
     modules = select_modules(model, selection)
     if ops:
-        _check_ops(modules, backend, grads)
+        _check_ops(modules, backend)
     check_forward_names(model, inputs)
     mask = inputs.attention_mask
     writer = DumpWriter(
@@ -252,13 +253,15 @@ def _dump_activations(run: _Run, *, capture_inputs: bool) -> Path:
         if backend is not None:
             call = (model, run.modules, sink, inputs.args, inputs.kwargs)
             options = {"inputs": capture_inputs, "train_mode": run.train_mode, "seed": run.seed}
-            done = backend.run(RunRequest(*call, **options))
+            done = backend.run(RunRequest(*call, **options, ops=run.ops))
             rec = done.recorder
             backend_meta = {
                 "backend": backend.name,
                 "backend_details": json.dumps(done.details),
                 "unmapped": json.dumps(done.unmapped),
             }
+            if done.ops is not None:
+                backend_meta["ops"] = json.dumps(done.ops)
         else:
             if run.seed is not None:
                 manual_seed(run.seed)
@@ -274,18 +277,23 @@ def _dump_activations(run: _Run, *, capture_inputs: bool) -> Path:
         return sink.writer.finish(meta)
 
 
-def _check_ops(modules: list[str], backend: Backend | None, grads: GradSpec | None) -> None:
-    """--ops needs the eager model running its own Python code, and a module to look inside."""
+def _check_ops(modules: list[str], backend: Backend | None) -> None:
+    """--ops needs the eager model running its own Python code, or a graph whose nodes are the
+    ops (an exported program, an FX GraphModule), and a module to look inside."""
     if not modules:
         raise InputError("--ops: no module is selected; widen --depth or --include")
-    if backend is not None:
+    if backend is not None and backend.name == "compile":
+        raise InputError(
+            "--ops sees the torch functions of the eager model's Python code, which a compiled "
+            "graph fuses away: the ops are the eager ones, so drop --compile to capture them (or "
+            "dump a .pt2 from modeltap export with --ops for its graph's nodes)"
+        )
+    if backend is not None and not getattr(backend, "sees_ops", False):
         raise InputError(
             f"--ops sees the torch functions of the eager model's Python code, which the "
-            f"{backend.name} backend does not run; drop --ops or --compile (an archive: load the "
-            "model it came from)"
+            f"{backend.name} backend does not run; dump the model it came from, or a .pt2 from "
+            "modeltap export, with --ops"
         )
-    if grads is not None:
-        raise InputError("--ops is for activations; drop --grads or --ops")
 
 
 @contextmanager
@@ -400,13 +408,17 @@ def _dump_with_grads(
             seed=run.seed or 0,
             mask_token_id=mask_token_id,
             special_ids=special_ids,
+            ops=run.ops,
         )
         meta = run.metadata_for(
             "activations+gradients" if activations else "gradients",
             result,
             inputs_captured=False,
             backend={},
-            after={"grad": json.dumps(result.meta)},
+            after={
+                "grad": json.dumps(result.meta),
+                **({"ops": json.dumps(result.ops)} if result.ops is not None else {}),
+            },
         )
         meta.update(after() if after is not None else {"backend": "eager"})
         return sink.writer.finish(meta)

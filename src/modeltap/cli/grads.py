@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     "exploding",
     *INPUT[1:],
     *SELECT,
+    "ops",
     "out",
     "stats_only",
     "formats",

@@ -136,6 +136,11 @@ class Settings:
         "(keys module/opNN.name), with its source line.",
         panel=SELECTION,
         variants={
+            "grads": {
+                "help": "Also, inside each module that gets gradients, every torch function its "
+                "own code calls: the op's output (module/opNN.name) and the gradient with "
+                "respect to it (grad/module/opNN.name), with its source line."
+            },
             "compare": {
                 "help": "Inside the module that introduces the largest error, run its ops one "
                 "by one in the variant from the reference's inputs and name the op (and source "

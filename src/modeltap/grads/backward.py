@@ -14,6 +14,7 @@ changes that tensor in place.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from modeltap.capture import flatten, make_key, split_key
+from modeltap.capture.keys import op_owner
 from modeltap.dump import GRAD_PREFIX
 from modeltap.errors import InputError, SelectionError
 from modeltap.grads.jacobian import jacobian_norms
@@ -42,6 +44,7 @@ class GradRun:
     order: list[str]  # activations in execution order, then gradients in backward order
     skipped: dict[str, str]
     skipped_none: int
+    ops: dict[str, Any] | None = None  # with ops: each op's metadata (capture/ops.py)
 
 
 
@@ -67,8 +70,13 @@ class _GradSink:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _seen: dict[str, weakref.ref[Any]] = field(default_factory=dict)
 
+    def stores(self, key: str) -> bool:
+        """Whether `key`'s value is written: an activation asked for, or an op's output (an
+        op's value comes with its gradient; the writer copies it before a later in-place op)."""
+        return op_owner(key) is not None or split_key(key)[0] in self.activations
+
     def tensor(self, key: str, tensor: torch.Tensor) -> None:
-        if split_key(key)[0] in self.activations:
+        if self.stores(key):
             self.writer.tensor(key, tensor.detach())
         if key == self.target:
             self.y = tensor
@@ -88,7 +96,7 @@ class _GradSink:
             self.hooked[key] = tensor if self.keep else None  # type: ignore[assignment]
 
     def alias(self, key: str, target: str) -> None:
-        if split_key(key)[0] in self.activations:
+        if self.stores(key):
             self.writer.alias(key, target)
         if key == self.target:
             self.y = self._seen[target]()
@@ -119,6 +127,7 @@ def run_grads(
     seed: int = 0,
     mask_token_id: int | None = None,
     special_ids: Sequence[int] = (),
+    ops: bool = False,
 ) -> GradRun:
     """Run forward and one backward, streaming gradients (and `activations`) to `writer`.
 
@@ -126,6 +135,8 @@ def run_grads(
     w.r.t. `spec.wrt` when given. Returns the `grad` metadata (target, loss, seed, no-path keys,
     Jacobian-norm estimates) and the file's key order. Raises InputError or SelectionError for
     what the user must fix.
+    `ops`: inside each module that gets gradients, every op its own code runs (capture/ops.py):
+    the op's output (`module/opNN.name`) and the gradient w.r.t. it (`grad/module/opNN.name`).
     """
     import torch
 
@@ -143,7 +154,7 @@ def run_grads(
     )
 
     def wanted(key: str) -> bool:
-        module = split_key(key)[0]
+        module = _module_of(key)
         return module in wrt_modules and (not wrt_keys or _key_matches(key, wrt_keys))
 
     sink = _GradSink(
@@ -155,8 +166,9 @@ def run_grads(
     try:
         for p in frozen:
             p.requires_grad_(True)
-        output, recorder, leaves = _forward(
-            model, args, kwargs, sink, hooked, wrt_modules, by_name, train_mode, seed
+        traced = _op_modules(ops, wrt_modules, by_name)
+        output, recorder, leaves, op_meta = _forward(
+            model, args, kwargs, sink, hooked, wrt_modules, by_name, train_mode, seed, traced
         )
         y, target_key = _target(spec, sink, output, recorder, model, kwargs, labels, loss_info)
         v = seed_tensor(spec.grad_output, y, generator) if y.dim() else torch.ones_like(y)
@@ -168,7 +180,7 @@ def run_grads(
     finally:
         for p in frozen:
             p.requires_grad_(False)
-    order = [k for k in recorder.order if split_key(k)[0] in set(activations)]
+    order = [k for k in recorder.order if sink.stores(k)]
     order += [GRAD_PREFIX + k for k in sink.written]
     order += [GRAD_PREFIX + k for k in sink.grad_aliases if k not in sink.no_path]
     order += [GRAD_PREFIX + k for k in param_keys]
@@ -186,7 +198,17 @@ def run_grads(
         "exploding": spec.exploding,
         **({"jacobian": jacobian} if jacobian else {}),
     }
-    return GradRun(meta, order, recorder.skipped, recorder.skipped_none)
+    return GradRun(meta, order, recorder.skipped, recorder.skipped_none, op_meta)
+
+
+def _op_modules(ops: bool, wrt_modules: set[str], by_name: dict[str, nn.Module]) -> list[str]:
+    """With `ops`, the modules whose own ops are traced: those that get gradients, in the
+    model's order; none is an InputError."""
+    if not ops:
+        return []
+    if not wrt_modules:
+        raise InputError("--ops: no module gets gradients; widen --depth, --include or --wrt")
+    return [name for name in by_name if name in wrt_modules]
 
 
 def _jacobian(
@@ -238,11 +260,14 @@ def _forward(
     by_name: dict[str, nn.Module],
     train_mode: bool,
     seed: int,
-) -> tuple[Any, Any, list[torch.Tensor]]:
-    """The forward with grad enabled and the modules hooked: (output, recorder, new leaves)."""
+    traced: list[str],
+) -> tuple[Any, Any, list[torch.Tensor], dict[str, Any] | None]:
+    """The forward with grad enabled and the modules hooked: (output, recorder, new leaves, the
+    ops' metadata when the ops of `traced` are recorded too)."""
     import torch
 
     from modeltap.capture import hooks, run_model
+    from modeltap.capture.ops import op_capture
 
     leaves: list[torch.Tensor] = []
 
@@ -266,9 +291,10 @@ def _forward(
         with (
             hooks(model, names, sink, train_mode=train_mode, replace=start_path) as recorder,
             torch.enable_grad(),
+            op_capture(model, traced, recorder) if traced else contextlib.nullcontext() as tracer,
         ):
             output = run_model(model, args, kwargs)
-    return output, recorder, leaves
+    return output, recorder, leaves, None if tracer is None else tracer.meta
 
 
 def _target(
@@ -417,7 +443,7 @@ def _wrt_sets(
         return (set(), set()) if only_inputs else (set(modules), set())
     names, keys = set(), set()
     for item in wrt:
-        module = split_key(item)[0]
+        module = _module_of(item)
         if module not in by_name:
             raise SelectionError("--wrt: " + unknown_name_message(module, by_name))
         names.add(module)
@@ -427,9 +453,15 @@ def _wrt_sets(
 
 
 def _key_matches(key: str, asked: set[str]) -> bool:
-    """A whole-module name asks for all its keys; `module:part` or `module@N` for that one."""
-    module = split_key(key)[0]
-    return key in asked or module in asked
+    """A whole-module name asks for all its keys (its ops' too); `module:part`, `module@N` or
+    `module/opNN.name` for that one."""
+    return key in asked or _module_of(key) in asked
+
+
+def _module_of(key: str) -> str:
+    """The module a key belongs to: an op's (`m@1/op03.mul`) is the module whose code ran it."""
+    owner = op_owner(key)
+    return split_key(key if owner is None else owner)[0]
 
 
 

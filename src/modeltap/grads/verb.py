@@ -22,6 +22,8 @@ def grads(
     params: bool = False,
     stats_only: bool = False,
     activations: bool = False,
+    ops: bool = False,
+    formats: Sequence[str] = (),
     depth: int | None = None,
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
@@ -35,8 +37,11 @@ def grads(
 
     `target`: the module whose output is differentiated (default: the model's); `wrt`: only the
     gradients with respect to these modules or input names; `loss`: `sum`, or the model's `lm` /
-    `mlm` loss; `params`: the weights' gradients too; `activations`: the activations too. `inputs`,
-    `depth`, `include`, `exclude`, `stats_only` and `tokenizer` as `modeltap.dump`'s."""
+    `mlm` loss; `params`: the weights' gradients too; `activations`: the activations too; `ops`:
+    inside each module that gets gradients, every op its own code runs, its output
+    (`module/opNN.name`) and the gradient w.r.t. it (`grad/module/opNN.name`), as `--ops`;
+    `formats`: what quantizing each float tensor would cost, as `--formats`. `inputs`, `depth`,
+    `include`, `exclude`, `stats_only` and `tokenizer` as `modeltap.dump`'s."""
     from modeltap.dumping import as_inputs, dump_model
     from modeltap.grads.spec import GradSpec
     from modeltap.selection import Selection
@@ -53,5 +58,7 @@ def grads(
         metadata=metadata,
         grads=spec,
         activations=activations,
+        ops=ops,
+        formats=formats,
         mask_token_id=getattr(tokenizer, "mask_token_id", None),
     )
