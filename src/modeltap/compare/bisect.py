@@ -78,7 +78,7 @@ def bisect(
 ) -> Bisection:
     """The smallest set of `candidate`'s quantized Linears to keep for its output to pass, ranked
     by `report`'s local errors; `candidate` is left with every Linear quantized again."""
-    from modeltap.compare.quantize import ENGINE, quantized
+    from modeltap.compare.quantize import quantized
 
     state = quantized(candidate)
     if state is None:
@@ -92,7 +92,7 @@ def bisect(
         return _judge(got, expected, tolerance, len(kept), options.equal_nan)
 
     result = Bisection(
-        state.name, ENGINE, quantized_parameters=_weights(state, list(state.linears))
+        state.name, state.engine, quantized_parameters=_weights(state, list(state.linears))
     )
     try:
         result.curve.append(run([]))

@@ -147,9 +147,10 @@ def candidate_meta(s: Settings, candidate: Any, variant: Any) -> dict[str, str]:
         "device": str(model_device(candidate)),
     }
     if variant.quant:
-        from modeltap.compare.quantize import ENGINE
+        from modeltap.compare.quantize import quantized
 
-        meta["quantization"] = ENGINE
+        state = quantized(candidate)
+        meta["quantization"] = state.engine if state else "emulated"  # or torchao
     return meta
 
 

@@ -2,6 +2,10 @@
 for the fp8 / MX / NV variants, its input activations too) with the recipes of `stats.formats`;
 transformers' Conv1D (GPT-2's Linears) counts as one.
 
+Where torchao is installed (the `quant` extra) and computes a recipe exactly, its quantizers run
+(`TORCHAO_FORMATS`); every other format, and every format without torchao, is emulated by
+`stats.formats.quantize`. The report says which ran (`Quantized.engine`).
+
 The weights are quantized once, in a copy that shares every other tensor with the reference, so
 the replay calls each candidate Linear as it is and measures the error it introduces. Which
 Linears stay in the reference's precision can be changed afterwards (`Quantized.keep`), which is
@@ -10,7 +14,9 @@ what `--bisect` does between its runs.
 
 from __future__ import annotations
 
+import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,8 +34,16 @@ RECIPES: dict[str, tuple[str, str | None]] = {
     "int8-weight": ("int8", None),
     "int4-weight": ("int4", None),
 }
-# How the formats ran: modeltap's own quantize-dequantize (stats.formats), not torchao's kernels.
-ENGINE = "emulated"
+# The formats torchao quantizes on CPU exactly as stats.formats' recipe: fp8_e4m3 (its float8
+# primitives: s = amax / 448, x / s saturated and cast, times s) and mxfp8 (prototype.mx_formats'
+# to_mx, FLOOR scaling, bit-identical but for blocks whose amax is below 2^-118, where its scale
+# floor is 2^-126 and the OCP spec's 2^-127). Not used: its affine int8 / int4 primitives round
+# x * (1 / s), not x / s (about 1 in 1,400 bfloat16 values
+# lands on the other integer), and its
+# NVFP4 clamps a block's E4M3 scale to the smallest subnormal where the recipe's rounds to 0.
+TORCHAO_FORMATS = ("fp8_e4m3", "mxfp8")
+EMULATED = "emulated"
+TORCHAO = "torchao"
 
 _STATES: weakref.WeakKeyDictionary[Any, Quantized] = weakref.WeakKeyDictionary()
 
@@ -37,8 +51,9 @@ _STATES: weakref.WeakKeyDictionary[Any, Quantized] = weakref.WeakKeyDictionary()
 class _QuantizeInput:
     """A forward pre-hook: the Linear's input quantized then dequantized in `fmt`."""
 
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, engine: str) -> None:
         self.fmt = fmt
+        self.engine = engine
         self.active = True
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -46,7 +61,7 @@ class _QuantizeInput:
 
         if not self.active or not args or not isinstance(args[0], torch.Tensor):
             return None
-        return (_quantize(args[0], self.fmt), *args[1:])
+        return (_quantize(args[0], self.fmt, self.engine), *args[1:])
 
 
 @dataclass
@@ -62,6 +77,7 @@ class Quantized:
     """The quantized Linears of a candidate, by name; `keep` leaves some in high precision."""
 
     name: str
+    engine: str = EMULATED  # torchao or emulated: what quantized the weights and inputs
     linears: dict[str, _Linear] = field(default_factory=dict)
     kept: frozenset[str] = frozenset()
 
@@ -88,7 +104,7 @@ def quantize_linears(model: nn.Module, variant: str) -> Quantized:
     from torch import nn
 
     weights, activations = RECIPES[variant]
-    state = Quantized(variant)
+    state = Quantized(variant, engine(variant))
     for name, module in model.named_modules():
         transposed = _is_conv1d(module)
         if not isinstance(module, nn.Linear) and not transposed:
@@ -96,11 +112,14 @@ def quantize_linears(model: nn.Module, variant: str) -> Quantized:
         original = module.weight
         with torch.no_grad():
             value = original.detach()
-            value = _quantize(value.t(), weights).t() if transposed else _quantize(value, weights)
+            if transposed:
+                value = _quantize(value.t(), weights, state.engine).t()
+            else:
+                value = _quantize(value, weights, state.engine)
             quantized = nn.Parameter(value.contiguous(), requires_grad=False)
         hook = None
         if activations is not None:
-            hook = _QuantizeInput(activations)
+            hook = _QuantizeInput(activations, state.engine)
             module.register_forward_pre_hook(hook)
         state.linears[name] = _Linear(module, original, quantized, hook)
     if not state.linears:
@@ -126,8 +145,62 @@ def _is_conv1d(module: nn.Module) -> bool:
     return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers.")
 
 
-def _quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """`x` quantized then dequantized in `fmt`, computed in float32, back in its dtype."""
+def engine(variant: str) -> str:
+    """`torchao` where torchao imports and quantizes every format of `variant` as the recipe
+    does (TORCHAO_FORMATS), else `emulated`."""
+    formats = {f for f in RECIPES[variant] if f is not None}
+    if formats <= set(TORCHAO_FORMATS) and torchao_quantizers() is not None:
+        return TORCHAO
+    return EMULATED
+
+
+@functools.cache
+def torchao_quantizers() -> dict[str, Callable[[torch.Tensor], torch.Tensor]] | None:
+    """torchao's quantize-dequantize of each of TORCHAO_FORMATS, for a finite float32 tensor, or
+    None where torchao is not installed or does not import against this torch (its import-time
+    messages are filtered in modeltap/__init__.py)."""
+    try:
+        from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
+        from torchao.quantization.quant_primitives import (
+            _choose_scale_float8,
+            _dequantize_affine_float8,
+            _quantize_affine_float8,
+        )
+    except Exception:  # ImportError, or a torchao built for another torch failing at import
+        return None
+    import torch
+
+    def fp8(x: torch.Tensor) -> torch.Tensor:
+        if not bool(x.any()):  # amax 0: torchao's scale would be 0 and x / 0 NaN
+            return torch.zeros_like(x)
+        scale = _choose_scale_float8(x, list(x.shape), torch.float8_e4m3fn)
+        return _dequantize_affine_float8(_quantize_affine_float8(x, scale), scale)
+
+    def mxfp8(x: torch.Tensor) -> torch.Tensor:
+        last = x.shape[-1] if x.dim() else 1
+        rows = torch.nn.functional.pad(x.reshape(-1, last), (0, -last % 32)).contiguous()
+        scale, data = to_mx(rows, torch.float8_e4m3fn, 32)
+        q = to_dtype(data, scale, torch.float8_e4m3fn, 32, torch.float32)
+        return q.reshape(rows.shape)[:, :last].reshape(x.shape)
+
+    return {"fp8_e4m3": fp8, "mxfp8": mxfp8}
+
+
+def _quantize(x: torch.Tensor, fmt: str, how: str = EMULATED) -> torch.Tensor:
+    """`x` quantized then dequantized in `fmt`, computed in float32, back in its dtype: by
+    torchao (`how` torchao) or stats.formats; non-finite values pass unchanged either way."""
+    import torch
+
     from modeltap.stats.formats import quantize
 
-    return quantize(x.float(), fmt).to(x.dtype)
+    quantizers = torchao_quantizers() if how == TORCHAO else None
+    if quantizers is None or fmt not in quantizers:
+        return quantize(x.float(), fmt).to(x.dtype)
+    x32 = x.detach().float()
+    if x32.numel() == 0:
+        return x.detach().clone()
+    finite = torch.isfinite(x32)
+    if bool(finite.all()):
+        return quantizers[fmt](x32.contiguous()).to(x.dtype)
+    clean = torch.where(finite, x32, torch.zeros((), dtype=x32.dtype))
+    return torch.where(finite, quantizers[fmt](clean), x32).to(x.dtype)
