@@ -24,13 +24,15 @@ class BackendRun:
     details: dict[str, Any] = field(default_factory=dict)
     unmapped: list[str] = field(default_factory=list)
     output: Any = None
+    ops: dict[str, Any] | None = None  # with RunRequest.ops: op key -> its `ops` metadata
 
 
 @dataclass(frozen=True)
 class RunRequest:
     """One run of a backend, declared once for all of them: `model` called with `args` and
     `kwargs`, the selected `modules` observed and what they return handed to `sink`; `inputs`:
-    their inputs too; `train_mode`: run in training mode; `seed`: the RNG seed (None: as it is)."""
+    their inputs too; `train_mode`: run in training mode; `seed`: the RNG seed (None: as it is);
+    `ops`: the selected modules' ops too (a backend whose `sees_ops` is true)."""
 
     model: nn.Module
     modules: list[str]
@@ -40,6 +42,7 @@ class RunRequest:
     inputs: bool = False
     train_mode: bool = False
     seed: int | None = 0
+    ops: bool = False
 
     @property
     def call(self) -> tuple[nn.Module, list[str], Sink, tuple[Any, ...], dict[str, Any]]:

@@ -15,6 +15,9 @@ it. The graph keeps no output structure: given the eager model's record (`struct
 values gets `:0`, `:1`... in graph order (`backend_details` lists it under
 `several_values_as_parts`), and a module returning `(tensor, None)` or a ModelOutput shows as a
 bare tensor (`output_record: false`).
+
+With `--ops` (RunRequest.ops), the selected modules' op nodes are kept as they run and recorded
+before each module's output (capture/graph_ops.py).
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from modeltap.capture.backend import BackendRun, RunRequest, SavedBackend
+from modeltap.capture.graph_ops import GraphOps
+from modeltap.capture.keys import make_key
 from modeltap.capture.recorder import Recorder
 from modeltap.capture.structure import OutputStructure
 from modeltap.errors import InputError, first_line
@@ -383,7 +388,7 @@ class _Keeper:
     """An Interpreter that keeps the values of some nodes as they are computed (a copy of those
     that an in-place op changes later, so each module keeps the value it returned)."""
 
-    def __init__(self, gm: Any, wanted: set[str]) -> None:
+    def __init__(self, gm: Any, wanted: set[str], ops: GraphOps | None = None) -> None:
         import torch
         import torch.fx
 
@@ -392,7 +397,10 @@ class _Keeper:
 
         class Interp(torch.fx.Interpreter):
             def run_node(self, n: Any) -> Any:
-                result = super().run_node(n)
+                if ops is None:
+                    result = super().run_node(n)
+                else:  # --ops: an op node's value kept by GraphOps
+                    result = ops.run_node(self, n, super().run_node)
                 if n.name in wanted:
                     if n.name in copy and isinstance(result, torch.Tensor):
                         keeper.values[n.name] = result.clone()
@@ -418,10 +426,12 @@ def _argument_value(spec: Any, values: dict[str, Any]) -> Any:
 
 @dataclass
 class ExportBackend(SavedBackend):
-    """Dump an ExportedProgram's module outputs under the eager keys."""
+    """Dump an ExportedProgram's module outputs under the eager keys (and, asked for, the ops
+    of the selected modules: its graph nodes, capture/graph_ops.py)."""
 
     program: Any
     name: str = field(default="export", kw_only=True)
+    sees_ops: ClassVar[bool] = True
 
     def run(self, request: RunRequest) -> BackendRun:
         from torch.utils import _pytree
@@ -445,7 +455,8 @@ class ExportBackend(SavedBackend):
             wanted_modules = set(unsigned) & selected
             inferred = [c for c in scope_calls(gm) if c.module in wanted_modules]
             wanted |= {n.name for c in inferred for n in c.escaping}
-        keeper = _Keeper(gm, wanted)
+        ops = GraphOps(gm, selected) if request.ops else None
+        keeper = _Keeper(gm, wanted, ops)
         flat_out, seconds = self.timed(
             request,
             lambda: keeper.run(flat),
@@ -456,7 +467,10 @@ class ExportBackend(SavedBackend):
         recorder = Recorder(request.sink)
         several: list[str] = []
         structure = OutputStructure.of(self.outputs)
-        for call in _in_return_order(gm, calls, inferred):
+        for end, call in _in_return_order(gm, calls, inferred):
+            if ops is not None:  # the ops up to the call's end, and its own, before its output
+                own = make_key(call.module, call.call) if isinstance(call, _Call) else ""
+                ops.record(recorder, end, own)
             if not isinstance(call, _Call):  # an inferred call: the values leaving its scope
                 got = [values[n.name] for n in call.escaping]
                 if len(got) > 1 and self.outputs is None:
@@ -472,6 +486,8 @@ class ExportBackend(SavedBackend):
             leaves = [_argument_value(a, values) for a in call.outputs]
             recorder.record(call.module, _pytree.tree_unflatten(leaves, call.out_spec))
         output = _output(ep, flat_out)
+        if ops is not None:
+            ops.record(recorder)
         if ROOT in selected:
             recorder.record(ROOT, output)
         details: dict[str, Any] = {"graph_nodes": len(gm.graph.nodes), "run_s": seconds}
@@ -481,12 +497,16 @@ class ExportBackend(SavedBackend):
             details["output_record"] = self.outputs is not None
         called = {c.module for c in calls} | {c.module for c in inferred}
         after = {"several_values_as_parts": several} if several else {}
-        return self.finish(request, recorder, structure, details, called, output, **after)
+        done = self.finish(request, recorder, structure, details, called, output, **after)
+        done.ops = None if ops is None else ops.meta
+        return done
 
 
-def _in_return_order(gm: Any, calls: list[_Call], inferred: list[Any]) -> list[Any]:
+def _in_return_order(
+    gm: Any, calls: list[_Call], inferred: list[Any]
+) -> list[tuple[int, Any]]:
     """The signed `calls` and the `inferred` ones in the order they return in the graph, a
-    child before its parent."""
+    child before its parent, each with the graph position of its last node."""
     position = {n.name: i for i, n in enumerate(gm.graph.nodes)}
 
     def ends_at(call: _Call) -> tuple[int, int]:
@@ -497,7 +517,7 @@ def _in_return_order(gm: Any, calls: list[_Call], inferred: list[Any]) -> list[A
         (ends_at(c), i, c) for i, c in enumerate(calls)
     ]
     events += [((c.last, -c.module.count(".")), len(calls) + i, c) for i, c in enumerate(inferred)]
-    return [call for _, _, call in sorted(events, key=lambda e: (e[0], e[1]))]
+    return [(end[0], call) for end, _, call in sorted(events, key=lambda e: (e[0], e[1]))]
 
 
 def _output(ep: Any, flat_out: Any) -> Any:

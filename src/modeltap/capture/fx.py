@@ -14,15 +14,19 @@ they were computed (`h` first), and one returning `(x, h)` leaves only `h` (`x` 
 dump maps the values onto it: the eager keys. A GraphModule traced without one keeps the graph's
 shape (a bare key for one value, `:0`, `:1` in graph order for several; listed in
 `backend_details`), and `backend_details` says `output_record: false`.
+
+With `--ops`, the selected modules' nodes are their ops (capture/graph_ops.py); `trace` records
+each node's stack trace, their source lines.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from modeltap.capture.backend import BackendRun, RunRequest
+from modeltap.capture.graph_ops import GraphOps
 from modeltap.capture.recorder import Recorder
 from modeltap.capture.structure import OutputStructure, record_outputs
 from modeltap.errors import InputError, RunError, first_line
@@ -38,10 +42,14 @@ STRUCTURE_META = "modeltap_outputs"
 
 def trace(model: nn.Module, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
     """`torch.fx.symbolic_trace(model)`, with a record of each module call's eager output
-    structure (one eager forward on the inputs) so that a dump of it has the eager keys."""
+    structure (one eager forward on the inputs) so that a dump of it has the eager keys, and each
+    node's `stack_trace` (the source line of its op with `dump --ops`)."""
     import torch.fx
 
-    gm = torch.fx.symbolic_trace(model)
+    tracer = torch.fx.Tracer()
+    tracer.record_stack_traces = True
+    graph = tracer.trace(model)
+    gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
     gm.meta[STRUCTURE_META] = record_outputs(model, args, kwargs)
     return gm
 
@@ -109,9 +117,11 @@ def _mutated(gm: Any) -> set[Any]:
 
 @dataclass
 class FxBackend:
-    """Dump a GraphModule's module outputs under the eager keys."""
+    """Dump a GraphModule's module outputs under the eager keys (and, asked for, the ops of the
+    selected modules: its nodes, capture/graph_ops.py)."""
 
     name: str = "fx"
+    sees_ops: ClassVar[bool] = True
     # record_outputs' record; None: the GraphModule's own (`trace` keeps it in `meta`), if any
     outputs: dict | None = None
 
@@ -130,25 +140,19 @@ class FxBackend:
         wanted = {n for c in calls for n in c.escaping}
         copy = wanted & _mutated(gm)
         values: dict[Any, Any] = {}
+        ops = GraphOps(gm, selected, fx=True) if request.ops else None
 
         class Keeper(torch.fx.Interpreter):
             def run_node(self, n: Any) -> Any:
-                result = super().run_node(n)
+                if ops is None:
+                    result = super().run_node(n)
+                else:  # --ops: an op node's value kept by GraphOps
+                    result = ops.run_node(self, n, super().run_node)
                 if n in wanted:
                     values[n] = result.clone() if n in copy else result
                 return result
 
-        placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-        flat = list(args)
-        for name in placeholders[len(args) :]:
-            if name in kwargs:
-                flat.append(kwargs[name])
-        unknown = set(kwargs) - set(placeholders)
-        if unknown:
-            raise InputError(
-                f"input '{sorted(unknown)[0]}' is not an input of the GraphModule; its inputs "
-                f"are: {', '.join(map(str, placeholders))}"
-            )
+        flat = _flat_inputs(gm, args, kwargs)
         was_training = {m: m.training for m in gm.modules()}
         gm.train(train_mode)
         if seed is not None:
@@ -174,11 +178,16 @@ class FxBackend:
         structure = OutputStructure.of(record)
         recorder = Recorder(sink)
         graph_order = []
+        position = {n: i for i, n in enumerate(gm.graph.nodes)}
         for call in calls:
+            if ops is not None:  # the ops up to the call's last node before its output
+                ops.record(recorder, max(position[n] for n in call.nodes))
             got = [values[n] for n in call.escaping]
             if record is None and len(got) > 1:
                 graph_order.append(call.module)
             recorder.record(call.module, structure.module_value(call.module, got))
+        if ops is not None:
+            ops.record(recorder)
         if ROOT in selected:
             recorder.record(ROOT, structure.root_value(output))
         called = {c.module for c in calls} | {ROOT}
@@ -193,4 +202,21 @@ class FxBackend:
             details["structure_unmatched"] = structure.unmatched
         if structure.missing:
             details["parts_not_in_graph"] = structure.missing
-        return BackendRun(recorder, details, [m for m in modules if m not in called], output)
+        unmapped = [m for m in modules if m not in called]
+        return BackendRun(recorder, details, unmapped, output, None if ops is None else ops.meta)
+
+
+def _flat_inputs(gm: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The GraphModule's placeholders' values: `args`, then `kwargs` by placeholder name."""
+    placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    flat = list(args)
+    for name in placeholders[len(args) :]:
+        if name in kwargs:
+            flat.append(kwargs[name])
+    unknown = set(kwargs) - set(placeholders)
+    if unknown:
+        raise InputError(
+            f"input '{sorted(unknown)[0]}' is not an input of the GraphModule; its inputs "
+            f"are: {', '.join(map(str, placeholders))}"
+        )
+    return flat

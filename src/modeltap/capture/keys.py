@@ -4,7 +4,8 @@ Keys: `module` for a module whose output is one tensor; `module:part` for a part
 output (tuple index, dict or ModelOutput field, joined by dots); `module@N` for the N-th extra call
 of a module called more than once in one forward (the first call has no suffix); `module:in.X`
 for inputs; `module/opNN.name` (`module@N/opNN.name` in an extra call) for the NN-th op a
-selected module's own code called (`dump --ops`, capture/ops.py), `:part` after it as above.
+selected module's own code called (`dump --ops`, capture/ops.py; in an exported program or FX
+graph the NN-th op node in the module's scope, capture/graph_ops.py), `:part` after it as above.
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@ into torch), one call is one value the user can point at, and nested calls insid
 own, a composite's aten decomposition) are not seen twice, since a mode is off inside its handler.
 An op belongs to the innermost selected module running: the ops of a selected child are the
 child's; those of a child that is not selected (a Linear's F.linear) are its parent's own.
+
+The aten ops each one ran are named too (metadata `aten`: `torch.softmax` -> `aten._softmax`,
+F.linear -> `aten.t`, `aten.addmm`), by a `TorchDispatchMode` (`AtenNames`) entered only around a
+recorded op, so the rest of the forward never passes through Python dispatch. In an exported
+program or an FX GraphModule no model code runs: there an op is a graph node (capture/graph_ops.py).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class OpTracer:
     stack: list[_Frame] = field(default_factory=list)
     paused: bool = False
     _calls: dict[str, int] = field(default_factory=dict)
+    _aten: AtenNames | None = None
 
     def enter(self, name: str) -> None:
         call = self._calls.get(name, 0)
@@ -84,7 +90,10 @@ class OpTracer:
 
         inputs = [v for _, v in flatten((args, kwargs)) if isinstance(v, torch.Tensor)]
         versions = [t._version for t in inputs]
-        out = func(*args, **kwargs)
+        if self._aten is None:
+            self._aten = AtenNames()
+        with self._aten.names_of() as aten:
+            out = func(*args, **kwargs)
         # `x[i] = v` returns None: what it produced is `x` as it is now.
         produced = args[0] if out is None and func is torch.Tensor.__setitem__ else out
         leaves = [(p, v) for p, v in flatten(produced) if isinstance(v, torch.Tensor)]
@@ -93,17 +102,9 @@ class OpTracer:
         frame = self.stack[-1]
         key = f"{frame.key}{OP_SEP}op{frame.count:02d}.{op_name(func)}"
         frame.count += 1
-        first = leaves[0][1]
-        inplace = any(first is t for t in inputs[:1]) or any(
-            v != t._version for t, v in zip(inputs, versions, strict=True)
+        self.meta[key] = op_meta(
+            qualified_name(func), aten, self._source(), inputs, versions, leaves[0][1]
         )
-        self.meta[key] = {
-            "op": qualified_name(func),
-            "source": self._source(),
-            "inputs": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in inputs],
-            "view": (not inplace) and first._is_view() and _shares(first, inputs),
-            "inplace": inplace,
-        }
         self.paused = True
         try:
             # The sink copies what it is given (DumpWriter.tensor): a later in-place op leaves
@@ -115,6 +116,60 @@ class OpTracer:
 
     def _source(self) -> str:
         return source_line()
+
+
+def op_meta(
+    op: str, aten: list[str], source: str, inputs: list[Any], versions: list[int], first: Any
+) -> dict[str, Any]:
+    """An op's `ops` metadata: `op` as called, the `aten` ops it ran, its `source` line, its
+    tensor `inputs` ([shape, dtype]; `versions`: theirs before it ran), and whether its `first`
+    tensor result is a view of an input or was made in place (returned an input, or changed one)."""
+    inplace = any(first is t for t in inputs[:1]) or any(
+        v != t._version for t, v in zip(inputs, versions, strict=True)
+    )
+    return {
+        "op": op,
+        "aten": aten,
+        "source": source,
+        "inputs": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in inputs],
+        "view": (not inplace) and first._is_view() and _shares(first, inputs),
+        "inplace": inplace,
+    }
+
+
+class AtenNames:
+    """Names the aten ops run inside `names_of()`'s block (`aten._softmax`, one per dispatch,
+    in order): a `TorchDispatchMode` made once and entered around each recorded op only."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        names: list[str] = []
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                names.append(str(func.overloadpacket))  # `aten._softmax`, the overload left off
+                return func(*args, **(kwargs or {}))
+
+        self._names, self._mode, self._active = names, _Mode(), False
+
+    @contextmanager
+    def names_of(self) -> Iterator[list[str]]:
+        """The block's aten op names, in a list filled when it ends (a fresh one each time; an
+        inner block of the same names its ops to the outer one)."""
+        names: list[str] = []
+        if self._active:
+            yield names
+            return
+        self._names.clear()
+        self._active = True
+        try:
+            with self._mode:
+                yield names
+        finally:
+            self._active = False
+            names.extend(self._names)
+            self._names.clear()
 
 
 # Calls that return a tensor without computing one: attribute reads and the mode's own plumbing.

@@ -47,8 +47,9 @@ METADATA_KEYS = {
     "train_mode": "'true' when dropout etc. were active",
     "selection": "JSON: depth, include, exclude, inputs",
     "order": "JSON list: every key (aliases too) in the order the model produced it",
-    "ops": "JSON object, with --ops: op key -> op (torch function), source (file:line), inputs "
-    "([shape, dtype] each), view, inplace",
+    "ops": "JSON object, with --ops: op key -> op (torch function, or a graph node's target), "
+    "aten (the aten ops it ran), source (file:line), inputs ([shape, dtype] each), view, inplace; "
+    "node (a graph node's name)",
     "aliases": "JSON object: alias key -> key of the stored tensor",
     "skipped": "JSON object: key -> type name of outputs that are not tensors (None is counted)",
     "skipped_none": "number of None outputs",

@@ -337,11 +337,14 @@ def dump_heading(dump: Dump) -> Text:
 def dump_json(dump: Dump) -> dict[str, Any]:
     """The same statistics as the table, as one JSON-ready object."""
     meta = dump.metadata
+    ops = json.loads(meta.get("ops", "{}"))  # dump --ops: each op key's metadata
     tensors = []
     for key in activation_keys(dump):
         module, call, part = split_key(key)
         stats = dump.stats_for(key)
         entry: dict[str, Any] = {"key": key, "module": module, "call": call, "part": part}
+        if key.partition(":")[0] in ops:
+            entry["op"] = ops[key.partition(":")[0]]
         if key in dump.aliases:
             entry["alias_of"] = dump.aliases[key]
         if stats is not None:
