@@ -1136,3 +1136,66 @@ def test_beam_search_rows_that_end_early_are_padding(tok, tmp_path: Path) -> Non
         assert entry["beam"][1] == -1 and entry["p"][1] is None
     assert entry["beam"][0] >= 0 and entry["p"][0] is not None
     generation_table(done.meta, row=1)  # renders the padding as blanks
+
+
+def test_ops_at_each_step_equal_a_plain_forwards_attention_weights(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    """generate --ops: the eager attention's softmax of each step equals output_attentions of a
+    plain forward over the prompt and the tokens chosen before that step."""
+    import modeltap
+
+    model = tiny_llama()
+    model.config._attn_implementation = "eager"
+    module = "model.layers.1.self_attn"
+    done = modeltap.generate(model, tok, PROMPT, tmp_path / "g.safetensors", max_new_tokens=3,
+                             include=[module], steps="0-2", ops=True)
+    dump = load_dump(done.path)
+    ops = json.loads(dump.metadata["ops"])
+    prompt = text_inputs(tok, [PROMPT]).kwargs["input_ids"]
+    for step in range(3):
+        (softmax,) = [k for k in ops if k.startswith(f"gen/step{step}/{module}/")
+                      and k.endswith(".softmax")]
+        assert "modeling_llama.py" in ops[softmax]["source"]
+        ids = torch.cat([prompt, torch.tensor([done.new_ids[0][:step]], dtype=torch.long)], 1)
+        with torch.no_grad():
+            weights = model(ids, output_attentions=True).attentions[1]
+        want = weights if step == 0 else weights[:, :, -1:, :]
+        torch.testing.assert_close(dump[softmax], want, rtol=1e-5, atol=1e-6)
+    # each step's ops are keyed as one forward's (no module@N), the decode steps' alike
+    names = [{k.split("/", 2)[2] for k in ops if k.startswith(f"gen/step{s}/")} for s in range(3)]
+    assert names[1] == names[2] and not any("@" in k for k in ops)
+
+
+def test_formats_of_every_step_equal_the_reference_on_the_stored_tensors(tok, tmp_path: Path) -> None:  # noqa: ANN001, E501
+    from safetensors import safe_open
+
+    import modeltap
+    from tests.test_formats import assert_figures, reference_figures
+
+    fmts = ("int8", "mxfp8", "nvfp4")
+    done = modeltap.generate(tiny_gpt2(), tok, PROMPT, tmp_path / "g.safetensors",
+                             max_new_tokens=2, depth=2, steps="0-1", formats=fmts)
+    with safe_open(done.path, "pt") as f:
+        stats = json.loads(f.metadata()["stats"])
+        keys = [k for k in f.keys() if k.startswith("gen/step") and k in stats]
+        assert {k.split("/")[1] for k in keys} == {"step0", "step1"}
+        for key in keys:
+            tensor = f.get_tensor(key)
+            if not tensor.is_floating_point():
+                continue
+            for fmt in fmts:
+                assert_figures(stats[key]["formats"][fmt], reference_figures(tensor, fmt))
+
+
+def test_cli_generate_ops_and_formats(gpt2_dir: Path) -> None:
+    r = runner.invoke(app, ["generate", str(gpt2_dir), PROMPT, "--max-new-tokens", "2",
+                            "--include", "transformer.h.0.attn", "--ops", "--formats", "int8",
+                            "-o", "g.safetensors"])
+    assert r.exit_code == 0, r.output
+    dump = load_dump("g.safetensors")
+    ops = json.loads(dump.metadata["ops"])
+    assert any(k.startswith("gen/step1/transformer.h.0.attn/op") for k in ops)
+    assert json.loads(dump.metadata["formats"]) == ["int8"]
+    r = runner.invoke(app, ["generate", str(gpt2_dir), PROMPT, "--formats", "fp6",
+                            "-o", "bad.safetensors"])
+    assert r.exit_code == 2 and "known formats" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and not Path("bad.safetensors").exists()

@@ -28,11 +28,13 @@ from modeltap.errors import InputError
     "chat",
     "processor",
     *SELECT,
+    "ops",
     "out",
     "full",
     "steps",
     "stats_only",
     "kv",
+    "formats",
     "json_out",
     *LOAD,
     "dtype",
@@ -61,6 +63,7 @@ def run_generate(s: Settings, *, json_out: bool, class_given: bool) -> None:
     if not (s.texts or s.images or s.audio):
         raise InputError('no PROMPT given; e.g. modeltap generate gpt2 "The capital of France is"')
     plan = step_plan(s)
+    formats = _formats(s)
     # Files through the model's processor (--chat: its chat template), checked before the
     # weights load; prompts alone go through the tokenizer (--chat: the tokenizer's template).
     if s.processor and not (s.images or s.audio):
@@ -89,9 +92,18 @@ def run_generate(s: Settings, *, json_out: bool, class_given: bool) -> None:
             kv=s.kv,
             metadata=run_metadata(s, loaded),
             max_inflight=s.max_inflight_mb << 20,
+            ops=s.ops,
+            formats=formats,
         )
     from modeltap.dump import load_dump
 
     assert done.path is not None
     print_generation(load_dump(done.path), step=None, json_out=json_out)
     err.print(f"wrote {done.path} ({done.path.stat().st_size / 1e6:.1f} MB)")
+
+
+def _formats(s: Settings) -> tuple[str, ...]:
+    """--formats as names (checked before the model loads: an unknown one lists the known)."""
+    from modeltap.stats.formats import check_formats
+
+    return tuple(check_formats(s.formats.split(","))) if s.formats else ()

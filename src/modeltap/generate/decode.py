@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,6 +63,8 @@ def generate_model(
     dead_threshold: float = 0.0,
     metadata: dict[str, str] | None = None,
     max_inflight: int = DEFAULT_MAX_INFLIGHT,
+    ops: bool = False,
+    formats: Sequence[str] = (),
 ) -> Generated:
     """Run `model.generate` on `inputs` with the selected modules hooked and stream every step's
     outputs to `out` (keys `gen/step{k}/...`). The file appears only if decoding finished.
@@ -73,20 +77,26 @@ def generate_model(
     search included: each step is then the forward of every beam (batch x num_beams rows, beam j
     of prompt b in row b * num_beams + j), and the steps' tokens are those of the sequence
     `generate` returns, each with the row that chose it (`beam`).
+    `ops`: also every op of the selected modules' own code at each step (capture/ops.py; keys
+    `gen/step{k}/module/opNN.name`, metadata `ops` under the same keys). `formats`: each float
+    tensor's low-precision what-if figures (stats/formats.py), as `dump --formats`.
     """
     import torch
 
     from modeltap.capture import hooks
-    from modeltap.dumping import _RESERVE_PER_MODULE
+    from modeltap.dumping import _RESERVE_PER_FORMAT, _RESERVE_PER_MODULE
 
     plan = plan or StepPlan()
     selection = selection or Selection()
+    formats = _checked_formats(formats)
     decoding = _checked_decoding(model, inputs, decoding, forced)
     beams = decoding.num_beams or 1
     modules = select_modules(model, selection)
-    reserve = 4096 + _RESERVE_PER_MODULE * len(modules) * (decoding.new_tokens + 1)
+    per_module = _RESERVE_PER_MODULE * (1 + 4 * ops) + _RESERVE_PER_FORMAT * len(formats)
+    reserve = 4096 + per_module * len(modules) * (decoding.new_tokens + 1)
     writer = DumpWriter(out, stats_only=plan.mode == "none", dead_threshold=dead_threshold,
-                        reserve=min(reserve, 64 << 20), max_inflight=max_inflight)  # fmt: skip
+                        reserve=min(reserve, 64 << 20), max_inflight=max_inflight,
+                        formats=formats)  # fmt: skip
     sink = StepSink(writer, plan)
     kwargs = _generate_kwargs(model, inputs, decoding, modules, forced, beams)
     skipped: dict[str, str] = {}
@@ -97,7 +107,8 @@ def generate_model(
         sink.begin(0)
         with (
             hooks(model, modules, sink) as rec,
-            hooked_steps(model, sink, rec, loop, kv=kv, skipped=skipped),
+            _op_capture(model, modules, rec, ops) as tracer,
+            hooked_steps(model, sink, rec, loop, kv=kv, skipped=skipped, tracer=tracer),
         ):
             try:
                 with torch.no_grad():
@@ -108,6 +119,8 @@ def generate_model(
                     "prompt and the decoding options (MODELTAP_DEBUG=1 shows the traceback)"
                 ) from exc
         sink.end()
+        if tracer is not None:
+            sink.take_ops(tracer.meta)
         _check_steps(model, loop, out)
         done = _generated(model, inputs, loop, tokenizer, decoding, forwards=sink.step + 1)
         skipped.update({step_key(sink.step, k): v for k, v in rec.skipped.items()})
@@ -121,10 +134,31 @@ def generate_model(
             "skipped_none": str(rec.skipped_none),
             "devices": json.dumps(sink.devices),
             "generate": json.dumps(gen_meta),
+            **({"ops": json.dumps(sink.stored_ops())} if ops else {}),
         }
         done.path = writer.finish(meta)
         done.meta = gen_meta
     return done
+
+
+def _checked_formats(formats: Sequence[str]) -> tuple[str, ...]:
+    """The format names, or an InputError that lists the known ones."""
+    from modeltap.stats.formats import check_formats
+
+    return tuple(check_formats(formats)) if formats else ()
+
+
+@contextmanager
+def _op_capture(model: nn.Module, modules: list[str], recorder: Any, ops: bool) -> Iterator[Any]:
+    """With `ops`, `capture.ops.op_capture` over the whole generation (yields its tracer, which
+    `hooked_steps` moves on at each step), else None."""
+    if not ops:
+        yield None
+        return
+    from modeltap.capture.ops import op_capture
+
+    with op_capture(model, modules, recorder) as tracer:
+        yield tracer
 
 
 def _generate_kwargs(

@@ -34,6 +34,18 @@ class StepSink:
         self.devices: dict[str, str] = {}
         self._held: list[tuple[str, Any]] | None = None
         self._prefix = step_key(0, "")
+        self.ops: dict[str, Any] = {}  # with ops: each op's metadata, under its step's key
+
+    def take_ops(self, meta: dict[str, Any]) -> None:
+        """The op tracer's metadata of this step, under the step's keys (the tracer's is then
+        empty for the next step)."""
+        self.ops.update({self._prefix + key: value for key, value in meta.items()})
+        meta.clear()
+
+    def stored_ops(self) -> dict[str, Any]:
+        """The ops' metadata of the keys stored (not those of forwards outside the loop)."""
+        stored = set(self.order)
+        return {key: value for key, value in self.ops.items() if key in stored}
 
     def begin(self, step: int) -> None:
         self._release(full=False)
@@ -218,12 +230,15 @@ def hooked_steps(
     *,
     kv: bool,
     skipped: dict[str, str],
+    tracer: Any = None,
 ) -> Iterator[None]:
     """Number the decoding loop's forwards as steps (a pre-hook that runs before any module's
     hook of the step), aligned by decoder positions: step 0 consumes the P positions of the
     prompt (an encoder-decoder's start and forced tokens), step k the token step k - 1 chose,
     so its positions end at P + k; a forward that does not (the loop run again) is refused.
-    With `kv`, hand each step's new cache positions to the sink after its forward."""
+    With `kv`, hand each step's new cache positions to the sink after its forward. With an op
+    `tracer` (capture/ops.py), each step's ops are keyed as one forward's, their metadata under
+    the step (`StepSink.take_ops`), and a forward outside the loop records none."""
     method = "prepare_inputs_for_generation"
     own = vars(model).get(method)
     original = getattr(model, method)
@@ -237,6 +252,8 @@ def hooked_steps(
         if not loop.prepared:
             loop.outside = recorder.paused = True
             loop.unstored += 1
+            if tracer is not None:
+                tracer.paused = True
             return
         loop.prepared = False
         end = _decoder_end(args, kwargs)
@@ -256,11 +273,17 @@ def hooked_steps(
         skipped.update({step_key(sink.step, k): v for k, v in recorder.skipped.items()})
         recorder.skipped.clear()
         recorder.next_pass()
+        if tracer is not None:
+            sink.take_ops(tracer.meta)
+            tracer.next_pass()
         sink.begin(step)
 
     def after(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         if loop.outside:
             loop.outside = recorder.paused = False
+            if tracer is not None:  # its ops are none of a step's
+                tracer.paused = False
+                tracer.next_pass()
             return
         loop.choices.logits(output)
         if kv:

@@ -32,6 +32,8 @@ def generate(
     steps: str | None = None,
     stats_only: bool = False,
     kv: bool = False,
+    ops: bool = False,
+    formats: Sequence[str] = (),
     chat: bool = False,
     metadata: dict[str, str] | None = None,
 ) -> Generated:
@@ -42,8 +44,10 @@ def generate(
     A decoding option left None is the model's generation config's (greedy unless it says
     otherwise). Each step keeps statistics; the prefill and the last step keep tensors too, or the
     `steps` listed (`"0,5-9"`), or none with `stats_only`. `depth`, `include`, `exclude`: which
-    modules, as `modeltap.dump`'s; `kv`: also each step's new K/V positions; `chat`: each prompt
-    through the tokenizer's chat template."""
+    modules, as `modeltap.dump`'s; `kv`: also each step's new K/V positions; `ops`: also every
+    op of the selected modules' own code at each step (`gen/step{k}/module/opNN.name`), as
+    `--ops`; `formats`: what quantizing each float tensor would cost, as `--formats`; `chat`:
+    each prompt through the tokenizer's chat template."""
     from modeltap.generate.decode import generate_model
     from modeltap.generate.options import Decoding, StepPlan, prompt_inputs
     from modeltap.selection import Selection
@@ -62,4 +66,6 @@ def generate(
         selection=Selection(depth=depth, include=tuple(include), exclude=tuple(exclude)),
         kv=kv,
         metadata=metadata,
+        ops=ops,
+        formats=formats,
     )
