@@ -15,6 +15,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from modeltap.diff.formats import Crossing, crossings, metadata_formats, side_figures, summary_json
 from modeltap.diff.keymap import KeyRule, apply_map, op_matches, parse_map, structural_matches
 from modeltap.diff.pairs import Pair, _Buffers, compare, failure_message
 from modeltap.diff.tolerance import Tolerance
@@ -74,6 +75,8 @@ class DiffReport:
     matches: list[tuple[str, str, str]] = field(default_factory=list)
     # op key -> the source line that called it (`dump --ops`), A's ops then B's
     sources: dict[str, str] = field(default_factory=dict)
+    # the formats either dump measured with --formats (each pair's `formats` holds both sides)
+    formats: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> list[Pair]:
@@ -99,6 +102,17 @@ class DiffReport:
     @property
     def passed(self) -> bool:
         return not self.failed and not (self.strict and (self.only_a or self.only_b))
+
+    def crossings(self, *, recovered: bool = False) -> list[Crossing]:
+        """The keys whose SQNR in a format is below a threshold in A (the candidate) that B's is
+        above (above one B's is below: `recovered`), in A's order (diff/formats.py)."""
+        return [
+            c
+            for p in self.pairs
+            for c in crossings(
+                p.key, p.formats, other=p.other if p.other != p.key else None, recovered=recovered
+            )
+        ]
 
     def to_json(self) -> dict[str, Any]:
         first = self.first_divergence
@@ -126,7 +140,11 @@ class DiffReport:
             "matches": [{"key": a, "other": b, "match": how} for a, b, how in self.matches],
             "only_a": self.only_a,
             "only_b": self.only_b,
+            **({"formats": self._formats_json()} if self.formats else {}),
         }
+
+    def _formats_json(self) -> dict[str, Any]:
+        return summary_json(self.formats, self.crossings(), self.crossings(recovered=True))
 
 
 def _selected(key: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
@@ -228,6 +246,7 @@ def diff_dumps(
     only_a = [k for k in keys_a if k not in partner]
     only_b = [k for k in db.keys() if k not in matched_b and _selected(k, include, exclude)]
 
+    formats = metadata_formats(da.metadata, db.metadata)
     pairs: list[Pair] = []
     done: dict[tuple[str, str], Pair] = {}
     buffers = _Buffers()
@@ -255,6 +274,8 @@ def diff_dumps(
             dtypes=dtypes,
         )
         pair.match = how
+        if formats:
+            pair.formats = side_figures(da.stats_for(key), db.stats_for(other), formats)
         done[stored] = pair
         pairs.append(pair)
     ordered = da.order is not None
@@ -263,6 +284,7 @@ def diff_dumps(
         da.path, db.path, tolerance, pairs, only_a, only_b, changes, ordered, strict, matches
     )
     report.sources = {**_op_sources(db), **_op_sources(da)}
+    report.formats = formats
     return report
 
 

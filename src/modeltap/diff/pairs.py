@@ -44,6 +44,8 @@ class Pair:
     # how `other` was found when it is not `key` itself: "mapped" (--map) or "structural" (the
     # same module's output, named parts on one side and positional ones on the other)
     match: str | None = None
+    # with --formats on either side: format -> {"a": figures, "b": figures} (diff/formats.py)
+    formats: dict[str, dict[str, Any]] | None = None
 
     @property
     def ok(self) -> bool:

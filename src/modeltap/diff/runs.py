@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 from modeltap.errors import InputError
 
 if TYPE_CHECKING:
+    from modeltap.diff.formats import Crossing
     from modeltap.diff.tolerance import Tolerance
+    from modeltap.record.index import RunIndex
 
 SCHEMA = 2  # 2: a step's `worst` is the key nearest its limit (`worst_of_limit`)
 _FIELDS = ("norm", "absmax")
@@ -53,6 +55,12 @@ class RunDiff:
     only_a: list[tuple[int, int]]  # (step, rank) recorded in A only
     only_b: list[tuple[int, int]]
     first_values: dict[str, Any] = field(default_factory=dict)  # A's and B's stats at the first
+    # with record(..., formats=[...]) in both runs: the formats both measured, and per rank, key
+    # and format the first common step its SQNR in A is below a threshold that B's is above
+    # (`crossed`), or above one that B's is below (`recovered`)
+    formats: list[str] = field(default_factory=list)
+    crossed: list[Crossing] = field(default_factory=list)
+    recovered: list[Crossing] = field(default_factory=list)
 
     @property
     def first(self) -> StepDiff | None:
@@ -77,7 +85,13 @@ class RunDiff:
             "steps": [{**asdict(s), "first": s.first} for s in self.steps],
             "only_a": [list(x) for x in self.only_a],
             "only_b": [list(x) for x in self.only_b],
+            **({"formats": self._formats_json()} if self.formats else {}),
         }
+
+    def _formats_json(self) -> dict[str, Any]:
+        from modeltap.diff.formats import summary_json
+
+        return summary_json(self.formats, self.crossed, self.recovered)
 
 
 def diff_runs(
@@ -154,5 +168,35 @@ def diff_runs(
             f"'{a}' and '{b}' recorded no common step; record both with the same every and "
             "start_step"
         )
-    return RunDiff(Path(a), Path(b), tol, steps, only_a, only_b, first_values)
+    report = RunDiff(Path(a), Path(b), tol, steps, only_a, only_b, first_values)
+    report.formats, report.crossed, report.recovered = _format_crossings(run_a, run_b, ranks)
+    return report
+
+
+def _format_crossings(
+    run_a: RunIndex, run_b: RunIndex, ranks: list[int]
+) -> tuple[list[str], list[Crossing], list[Crossing]]:
+    """(formats both runs measured, crossings down, crossings up): per rank, key and format, the
+    first step both recorded where A's SQNR sits at a worse (better) level than B's."""
+    from modeltap.diff.formats import crossings
+    from modeltap.record.index import step_formats
+
+    formats: list[str] = []
+    found: dict[bool, dict[tuple[int, str, str], Crossing]] = {False: {}, True: {}}
+    for rank in ranks:
+        names_a, steps_a = step_formats(run_a, rank)
+        names_b, steps_b = step_formats(run_b, rank)
+        names = [n for n in names_a if n in names_b]
+        formats += [n for n in names if n not in formats]
+        by_step_b = dict(steps_b)
+        for step, keys_a in steps_a:
+            keys_b = by_step_b.get(step, {})
+            for key in (k for k in keys_a if k in keys_b):
+                figures = {n: {"a": keys_a[key].get(n), "b": keys_b[key].get(n)} for n in names}
+                for up in (False, True):
+                    for c in crossings(key, figures, recovered=up):
+                        c.step, c.rank = step, rank
+                        found[up].setdefault((rank, key, c.format), c)
+    down, up = (sorted(found[k].values(), key=lambda c: (c.step, c.rank)) for k in (False, True))
+    return formats, down, up
 

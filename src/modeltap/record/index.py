@@ -246,3 +246,30 @@ def read_run(folder: str | os.PathLike[str]) -> RunIndex:
             "or a dump file"
         )
     return RunIndex(root, dict(sorted(ranks.items())))
+
+
+def step_formats(
+    run: RunIndex, rank: int
+) -> tuple[list[str], list[tuple[int, dict[str, dict[str, Any]]]]]:
+    """The what-if figures of `record(..., formats=[...])` on `rank`: the formats, and per
+    recorded step (in order) key -> format -> its figures, read from the step files'
+    statistics (the index keeps none of them). ([], []) when the run measured no format; a step
+    whose file is gone is left out."""
+    from modeltap.dump import load_dump
+
+    steps = sorted(run.ranks[rank].steps, key=lambda s: s["step"]) if rank in run.ranks else []
+    formats: list[str] = []
+    out: list[tuple[int, dict[str, dict[str, Any]]]] = []
+    for entry in steps:
+        path = run.folder / entry.get("file", "")
+        if not entry.get("file") or not path.is_file():
+            continue
+        dump = load_dump(path)
+        found = json.loads(dump.metadata.get("formats", "[]"))
+        if not found:
+            if not formats:
+                return [], []  # recorded without formats (all its steps are)
+            continue
+        formats += [f for f in found if f not in formats]
+        out.append((entry["step"], {k: s.formats for k, s in dump.stats.items() if s.formats}))
+    return formats, out

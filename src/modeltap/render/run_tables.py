@@ -390,7 +390,44 @@ def run_diff_text(report: RunDiff, *, show_all: bool = False) -> Text:
         worst = f"{fmt(s.worst_of_limit)} {s.worst}" if s.worst else "0"
         how = " (tensors)" if s.tensors else ""
         text.append(f"{s.step:>8} {s.rank:>4} {len(s.failed):>4}/{s.compared:<4}  {worst}{how}\n")
+    if report.formats:
+        text.append_text(_run_formats_lines(report))
     text.rstrip()
+    return text
+
+
+# Crossings listed at most (all in --json).
+FORMAT_ROWS = 10
+
+
+def _run_formats_lines(report: RunDiff) -> Text:
+    """Per key and format, the first step its SQNR falls below a threshold in A that B's is
+    above (record(..., formats=[...]) in both runs)."""
+    from modeltap.diff.formats import thresholds
+    from modeltap.render.tables import LEVEL_STYLE, db_text
+
+    limits = thresholds()
+    rule = f"(SQNR dB, red < {limits['bad']:g}, yellow < {limits['warn']:g})"
+    text = Text(f"formats {', '.join(report.formats)} {rule}: ", style="bold")
+    crossed = report.crossed
+    if not crossed:
+        text.append("no key falls below a threshold in A that B's is above at a common step\n")
+    else:
+        text.append(f"{len(crossed)} key/format pairs fall below a threshold in A that B's is ")
+        text.append("above\n")
+        rows = crossed[:FORMAT_ROWS]
+        width = max(3, *(len(c.key) for c in rows))
+        names = max(6, *(len(c.format) for c in rows))
+        head = f"{'step':>8} {'rank':>4}  {'key':<{width}}  {'format':<{names}}  SQNR A vs B\n"
+        text.append(head, style="bold")
+        for c in rows:
+            text.append(f"{c.step:>8} {c.rank:>4}  {c.key:<{width}}  {c.format:<{names}}  ")
+            text.append(db_text(c.a_db), style=LEVEL_STYLE[c.level])
+            text.append(f" vs {db_text(c.b_db)}\n")
+        if len(crossed) > FORMAT_ROWS:
+            text.append(f"  ... {len(crossed) - FORMAT_ROWS} more (--json)\n", style="dim")
+    if report.recovered:
+        text.append(f"{len(report.recovered)} rise above a threshold in A\n", style="dim")
     return text
 
 

@@ -92,7 +92,62 @@ def diff_heading(report: DiffReport) -> Text:
             "--equal-nan counts NaN == NaN as equal",
             style="yellow",
         )
+    if report.formats:
+        text.append_text(_formats_lines(report))
     return text
+
+
+# Keys crossing a format's threshold listed in the heading at most (all in --json).
+FORMAT_ROWS = 10
+LEVEL_STYLE = {"bad": "red", "warn": "yellow", "ok": "green"}
+_A_STYLE = {**LEVEL_STYLE, "ok": ""}
+
+
+def db_text(sqnr_db: float | None) -> str:
+    """An SQNR in dB as the tree shows it: one decimal, `inf` where quantizing is exact."""
+    return "inf" if sqnr_db is None else f"{sqnr_db:.1f}"
+
+
+def _formats_lines(report: DiffReport) -> Text:
+    """Which keys are below a --formats threshold in A, the candidate, that B's are above
+    (SQNR A vs B)."""
+    from modeltap.diff.formats import thresholds
+
+    limits = thresholds()
+    crossed, recovered = report.crossings(), report.crossings(recovered=True)
+    rule = f"(SQNR dB, red < {limits['bad']:g}, yellow < {limits['warn']:g})"
+    text = Text(f"\nformats {', '.join(report.formats)} {rule}: ", style="bold")
+    keys = len({c.key for c in crossed})
+    if not crossed:
+        text.append("no key falls below a threshold in A that B's is above")
+    else:
+        text.append(f"{keys} {'key falls' if keys == 1 else 'keys fall'} below a threshold in A ")
+        text.append("that B's is above, A vs B:")
+        width = max(len(c.key) for c in crossed[:FORMAT_ROWS])
+        names = max(len(c.format) for c in crossed[:FORMAT_ROWS])
+        for c in crossed[:FORMAT_ROWS]:
+            text.append(f"\n  {c.key:<{width}}  {c.format:<{names}}  ")
+            text.append(db_text(c.a_db), style=LEVEL_STYLE[c.level])
+            text.append(f" vs {db_text(c.b_db)}")
+        if len(crossed) > FORMAT_ROWS:
+            text.append(f"\n  ... {len(crossed) - FORMAT_ROWS} more (--json)", style="dim")
+    if recovered:
+        back = len({c.key for c in recovered})
+        rise = "key rises" if back == 1 else "keys rise"
+        text.append(f"\n{back} {rise} above a threshold in A that B's is below", style="dim")
+    return text
+
+
+def _format_cell(pair: DiffPair, name: str) -> Text:
+    """`A/B` SQNR dB of one format (the candidate's, the reference's), coloured by A's
+    level as the tree colours it; `-` where a side has none."""
+    from modeltap.diff.formats import level
+
+    sides = (pair.formats or {}).get(name)
+    if sides is None or sides["a"] is None or sides["b"] is None:
+        return Text("-")
+    a_db, b_db = sides["a"].get("sqnr_db"), sides["b"].get("sqnr_db")
+    return Text(f"{db_text(a_db)}/{db_text(b_db)}", style=_A_STYLE[level(a_db)])
 
 
 def _arrow(match: tuple[str, str]) -> str:
@@ -128,6 +183,7 @@ def diff_table(report: DiffReport, *, show_all: bool = False, width: int = 80) -
         )[:DIFF_ROWS]
     table = _plain_table()
     numbers = {"max abs": 8, "max rel": 8, "cosine": 8, "out": 6}
+    numbers |= {name: 9 for name in report.formats}  # SQNR dB, A/B (--formats)
     key_width = max(16, width - 9 - sum(numbers.values()) - len(numbers) - 1)
     table.add_column("key", no_wrap=True, overflow="ellipsis", max_width=key_width)
     table.add_column("status", no_wrap=True, min_width=9)
@@ -148,6 +204,7 @@ def diff_table(report: DiffReport, *, show_all: bool = False, width: int = 80) -
             fmt(pair.max_rel),
             cosine,
             out,
+            *(_format_cell(pair, name) for name in report.formats),
         )
     for side, keys in (("only in A", report.only_a), ("only in B", report.only_b)):
         for key in keys:
