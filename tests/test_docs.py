@@ -72,3 +72,48 @@ def test_the_record_page_tables_and_explains_every_keyword():
     assert re.findall(r"^\| `(\w+)` \|", table, re.M) == names
     prose = page.replace("<!-- record-options -->", "")
     assert [n for n in names if f"`{n}`" not in prose] == []
+
+
+def _screenshots():
+    path = ROOT / "scripts" / "screenshots.py"
+    spec = importlib.util.spec_from_file_location("screenshots", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_picture_a_page_shows_is_there_and_every_report_page_is_pictured():
+    """Each image a docs page links exists; the report screenshots shown are those
+    scripts/screenshots.py takes, one per page builder of render/report (a new kind of page
+    without its picture fails here)."""
+    shown = set()
+    for page in DOCS.rglob("*.md"):
+        for target in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+            path = (page.parent / target).resolve()
+            assert path.is_file(), f"{page.relative_to(ROOT)} shows {target}, which is not there"
+            shown.add(path)
+    pages = _screenshots().PAGES
+    images = {(DOCS / "images" / f"report-{name}.png").resolve() for name in pages}
+    assert images <= shown, sorted(p.name for p in images - shown)
+    source = "\n".join(p.read_text() for p in (ROOT / "src/modeltap/render/report").glob("*.py"))
+    # the builders: a page from what it shows (write_page writes any of them)
+    builders = set(re.findall(r"^def ([a-z]\w*_page)\(", source, re.M)) - {"write_page"}
+    assert builders == {shot.builder for shot in pages.values()}
+
+
+@pytest.mark.slow
+def test_the_screenshot_script_writes_a_page_and_pictures_it(tmp_path):
+    from tests.fixtures.browser import CHROMIUM, _unavailable
+
+    if importlib.util.find_spec("playwright") is None or not os.path.isfile(CHROMIUM):
+        _unavailable("no Chromium or playwright for the screenshots")
+    if not (ROOT / "models" / "all-MiniLM-L6-v2" / "model.safetensors").is_file():
+        pytest.skip("the real MiniLM is not unpacked; run scripts/setup.sh")
+    shots = _screenshots()
+    pages = shots.write_pages(["dump"], tmp_path / "pages")
+    assert "modeltap dump: models/all-MiniLM-L6-v2" in pages["dump"].read_text()
+    (png,) = shots.take(pages, tmp_path / "images")
+    header = png.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    assert int.from_bytes(header[16:20], "big") == 1280  # the window's width
