@@ -715,3 +715,120 @@ def test_report_reads_a_compare_generate_json(gpt2_dir, tmp_path) -> None:
     rows = _table(tmp_path / "cg.html", "Steps and tokens")
     assert [int(r[2]) for r in rows] == out[0, ids["input_ids"].shape[1] :].tolist()
     assert _summary(tmp_path / "cg.html")["verdict"] in ("PASS", "FAIL")
+
+
+# --- --formats: the dump page's key x format heatmap, the diff page's columns, the run page ------
+
+
+def _format_reference(path: Path, formats) -> dict[str, dict[str, dict]]:
+    """key -> format -> figures, recomputed from the tensors stored in `path` with test_formats'
+    reference quantizer."""
+    from safetensors import safe_open
+
+    from tests.test_formats import reference_figures
+
+    with safe_open(str(path), "pt") as f:
+        return {k: {n: reference_figures(f.get_tensor(k), n) for n in formats} for k in f.keys()}
+
+
+def _threshold_steps(trace: dict[str, Any]) -> list[float]:
+    """The SQNR values (dB) where a heatmap's colour scale changes colour abruptly."""
+    stops = trace["colorscale"]
+    return [
+        stops[i][0] * trace["zmax"]
+        for i in range(1, len(stops))
+        if stops[i][0] == stops[i - 1][0] and stops[i][1] != stops[i - 1][1]
+    ]
+
+
+def test_dump_page_heatmap_of_sqnr_per_key_and_format(chromium, tmp_path) -> None:
+    from modeltap.render.tree import FORMAT_BAD_DB, FORMAT_WARN_DB
+    from tests.fixtures.format_runs import FORMATS, spiked_pair
+
+    _, b = spiked_pair(tmp_path)
+    result = invoke("report", b, "-o", "b.html")
+    assert result.exit_code == 0, result.output
+    dump = load_dump(b)
+    stats = json.loads(dump.metadata["stats"])
+    ref = _format_reference(b, FORMATS)
+    heat = _figures(tmp_path / "b.html")["formats-sqnr"]["data"][0]
+    assert heat["x"] == list(FORMATS)
+    assert heat["y"] == dump.keys() and len(dump.keys()) > len(stats)  # the root: an alias
+    for row, shown in enumerate(heat["y"]):
+        key = dump.resolve(shown)
+        for column, name in enumerate(FORMATS):
+            cell = heat["z"][row][column]
+            assert cell == stats[key]["formats"][name]["sqnr_db"]
+            assert cell == pytest.approx(ref[key][name]["sqnr_db"], abs=1e-4)
+            assert heat["text"][row][column] == f"{cell:.1f}"
+    # Coloured as the tree is: abrupt changes at its two thresholds, the lowest band below 20 dB.
+    assert _threshold_steps(heat) == pytest.approx([FORMAT_BAD_DB, FORMAT_WARN_DB])
+    assert heat["zmin"] == 0
+    page = OpenPage(chromium, tmp_path / "b.html")
+    try:
+        assert page.errors == []
+        drawn = page.charts()["formats-sqnr"][0]
+        assert drawn["z"] == heat["z"] and page.drawn("formats-sqnr") == 1
+    finally:
+        page.close()
+
+
+def test_diff_page_shows_sqnr_a_to_b_and_the_keys_that_cross(tmp_path) -> None:
+    from tests.fixtures.format_runs import FORMATS, spiked_pair
+
+    b, a = spiked_pair(tmp_path)  # A, the candidate, has the spike
+    result = runner.invoke(app, ["diff", str(a), str(b), "--html", "d.html"])
+    assert result.exit_code == 1, result.output
+    ref_a, ref_b = _format_reference(a, FORMATS), _format_reference(b, FORMATS)
+    rows = _table(tmp_path / "d.html", "Pairs")
+    crossed = []
+    for cells in rows:
+        key = cells[0]
+        for i, name in enumerate(FORMATS):
+            da, db = ref_a[key][name]["sqnr_db"], ref_b[key][name]["sqnr_db"]
+            assert cells[9 + i] == f"{da:.1f} vs {db:.1f}"
+            if (da < 30) > (db < 30) or (da < 20) > (db < 20):
+                crossed.append([key, name, f"{da:.1f}", f"{db:.1f}", "bad" if da < 20 else "warn"])
+    assert crossed
+    table = _table(tmp_path / "d.html", "Low-precision formats: thresholds crossed")
+    assert [r for r in table if r[-1] != "recovered"] == crossed
+
+
+def test_run_page_shows_the_step_a_spiked_module_crosses(chromium, tmp_path) -> None:
+    """Module `1` spiked from step 2: the run page's table says its int8 SQNR first falls below
+    both thresholds at step 2, and each row and heatmap cell equals the figure recomputed from
+    the step files' tensors."""
+    from tests.fixtures.format_runs import spiked_run
+
+    run = spiked_run(tmp_path / "run", 2)
+    result = invoke("report", run, "-o", "run.html")
+    assert result.exit_code == 0, result.output
+    refs = [
+        _format_reference(run / f"step{s:06d}.rank0.safetensors", ["int8"]) for s in range(5)
+    ]
+    first: dict[str, list] = {}
+    for step, ref in enumerate(refs):
+        for key, figures in ref.items():
+            db = figures["int8"]["sqnr_db"]
+            row = first.setdefault(key, [None, None, None, None])
+            for i, limit in ((0, 30.0), (2, 20.0)):
+                if row[i] is None and db is not None and db < limit:
+                    row[i : i + 2] = [step, f"{db:.1f}"]
+    expected = {k: r for k, r in first.items() if r[0] is not None}
+    assert expected["1"][::2] == [2, 2]  # below both thresholds from the spike on
+    table = _table(tmp_path / "run.html", "First step below a threshold")
+    got = {r[1]: [int(r[3]), r[4], int(r[5]) if r[5] else None, r[6] or None] for r in table}
+    assert all(r[0] == "0" and r[2] == "int8" for r in table)
+    assert got == expected
+    assert min(r[0] for r in expected.values()) == 2  # nothing crossed before the spike
+    heat = _figures(tmp_path / "run.html")["run-formats-int8"]["data"][0]
+    assert heat["x"] == list(range(5))
+    for row, key in enumerate(heat["y"]):
+        for column, step in enumerate(heat["x"]):
+            want = refs[step][key]["int8"]["sqnr_db"]
+            assert heat["z"][row][column] == pytest.approx(want, abs=1e-4), (key, step)
+    page = OpenPage(chromium, tmp_path / "run.html")
+    try:
+        assert page.errors == [] and page.drawn("run-formats-int8") == 1
+    finally:
+        page.close()

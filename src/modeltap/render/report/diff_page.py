@@ -168,9 +168,41 @@ def pair_rows(report: DiffReport) -> list[dict[str, Any]]:
             p.key, p.other if p.other != p.key else "", p.status,
             fmt(margin(p, report.tolerance)), fmt(p.max_abs), fmt(p.max_rel), fmt(p.max_scaled),
             cosine_text(p.cosine),
-            "" if p.out_fraction is None else f"{100 * p.out_fraction:.3g}%"]}
+            "" if p.out_fraction is None else f"{100 * p.out_fraction:.3g}%",
+            *(_sqnr_pair(p, name) for name in report.formats)]}
         for p in report.pairs
     ]  # fmt: skip
+
+
+def _sqnr_pair(pair: Pair, name: str) -> str:
+    """`A vs B` SQNR dB of one format (--formats), as the text table shows it."""
+    from modeltap.render.tables import db_text
+
+    sides = (pair.formats or {}).get(name) or {}
+    a, b = sides.get("a"), sides.get("b")
+    return "" if a is None or b is None else f"{db_text(a['sqnr_db'])} vs {db_text(b['sqnr_db'])}"
+
+
+def _formats_section(report: DiffReport) -> Section:
+    """The keys whose SQNR in a format is below a threshold in A that B's is above (--formats)."""
+    from modeltap.diff.formats import thresholds
+    from modeltap.render.tables import db_text
+
+    limits = thresholds()
+    rows = [{"class": "bad" if c.level == "bad" else "warn", "cells": [
+        c.key, c.format, db_text(c.a_db), db_text(c.b_db), c.level]}
+        for c in report.crossings()]  # fmt: skip
+    rows += [{"class": "", "cells": [c.key, c.format, db_text(c.a_db), db_text(c.b_db),
+                                     "recovered"]}
+             for c in report.crossings(recovered=True)]  # fmt: skip
+    return Section(
+        "table", "Low-precision formats: thresholds crossed",
+        columns=["key (A)", "format", "SQNR dB in A", "SQNR dB in B", "level in A"], rows=rows,
+        note=f"What quantizing each tensor would cost (`--formats`), SQNR in dB: bad below "
+        f"{limits['bad']:g}, warn below {limits['warn']:g}. Listed: the keys whose figure falls "
+        "to a worse level in A (the candidate) than in B, then those at a better one. The Pairs "
+        "table has every key's SQNR, A vs B.",
+    )
 
 
 def diff_summary(report: DiffReport) -> list[tuple[str, str, str]]:
@@ -202,6 +234,11 @@ def diff_summary(report: DiffReport) -> list[tuple[str, str, str]]:
     ]  # fmt: skip
     summary.append(("only in A / only in B", f"{len(report.only_a)} / {len(report.only_b)}",
                     "warn" if report.only_a or report.only_b else ""))  # fmt: skip
+    if report.formats:
+        crossed = len({c.key for c in report.crossings()})
+        summary.append((f"formats ({', '.join(report.formats)})",
+                        f"{crossed} keys fall below an SQNR threshold in A that B's is above",
+                        "warn" if crossed else "ok"))  # fmt: skip
     return summary
 
 
@@ -226,9 +263,10 @@ def diff_page(report: DiffReport, *, command: str = "") -> Page:
             "whole rule for every pair. Dotted: the first pair out of tolerance"
             + (" and the differing inputs." if report.inputs_differ else "."),
         ))  # fmt: skip
-        page.sections.append(
-            Section("table", "Pairs", columns=PAIR_COLUMNS, rows=pair_rows(report))
-        )
+        columns = PAIR_COLUMNS + [f"{name} SQNR dB (A vs B)" for name in report.formats]
+        page.sections.append(Section("table", "Pairs", columns=columns, rows=pair_rows(report)))
+    if report.formats:
+        page.sections.append(_formats_section(report))
     missing = [f"only in A: {k}" for k in report.only_a]
     missing += [f"only in B: {k}" for k in report.only_b]
     if missing:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from modeltap.diff.formats import metadata_formats
 from modeltap.dump import GRAD_PREFIX, Dump
+from modeltap.render.report.format_figures import dump_formats_section
 from modeltap.render.report.generation_page import generation_page
 from modeltap.render.report.key_figures import axis_ticks, line_figures
 from modeltap.render.report.page import (
@@ -194,6 +196,12 @@ def dump_page(dump: Dump, *, command: str = "") -> Page:
         "matching rows and their parents. Rows with NaN/Inf are red."
         + (" Click a row to see its histogram below." if hist_index else ""),
     ))  # fmt: skip
+    formats = metadata_formats(meta)
+    if formats:
+        stats_of = {k: s.formats for k, s in zip(keys, stats, strict=True) if s and s.formats}
+        figure, section = dump_formats_section(formats, keys, stats_of)
+        page.figures["formats-sqnr"] = figure
+        page.sections.append(section)
     if figures:
         page.figures.update(figures)
         page.variants.update(variants)

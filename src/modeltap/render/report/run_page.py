@@ -9,7 +9,8 @@ import math
 from typing import Any
 
 from modeltap.dump import GRAD_PREFIX
-from modeltap.record.index import RunIndex
+from modeltap.record.index import RunIndex, step_formats
+from modeltap.render.report.format_figures import first_crossings, sqnr_heatmap
 from modeltap.render.report.page import (
     HEATMAP_SCALE,
     OKABE_ITO,
@@ -281,6 +282,7 @@ def run_page(run: RunIndex, *, command: str = "") -> Page:
         )
         return page
     update_note = _step_module_section(page, run, events)
+    _formats_section(page, run)
     if len(ranks) > 1 and events["keys"][False]:
         _rank_section(page, run, all_steps, trips, events["keys"][False])
     if update_note is not None:
@@ -394,3 +396,76 @@ def _events_section(page: Page, run: RunIndex, trips: list[dict[str, Any]]) -> N
     page.sections.append(Section("table", "Events", rows=rows,
                                  columns=["event", "step", "rank", "key", "value",
                                           "message"]))  # fmt: skip
+
+
+def _formats_section(page: Page, run: RunIndex) -> None:
+    """With `record(..., formats=[...])`: per format a step x key heatmap of SQNR (the first
+    rank's), and per rank the first step each key falls below each threshold."""
+    from modeltap.diff.formats import thresholds
+    from modeltap.render.tables import db_text
+
+    read = {rank: step_formats(run, rank) for rank in run.ranks}
+    first_rank = next(iter(run.ranks))
+    formats, steps = read[first_rank]
+    if not formats:
+        return
+    limits = thresholds()
+    keys = list(dict.fromkeys(k for _, by_key in steps for k in by_key))
+    columns, rows = _groups(len(steps), MAX_STEPS), _groups(len(keys), MAX_MODULES)
+    x = [steps[c0][0] for c0, _ in columns]
+    y = [keys[r0] if r1 - r0 == 1 else f"{keys[r0]} … (+{r1 - r0 - 1})" for r0, r1 in rows]
+    charts = []
+    for name in formats:
+        chart = f"run-formats-{name}"
+        cells = [[_lowest(steps, keys, name, r, c) for c in columns] for r in rows]
+        page.figures[chart] = sqnr_heatmap(
+            x, y, cells, title=f"{name}: SQNR per step and key, rank {first_rank}",
+            x_title="training step", y_title="key (recorded order)",
+            x_axis=_step_axis(x, cells=True),
+        )  # fmt: skip
+        charts.append(chart)
+    reduced = len(columns) < len(steps) or len(rows) < len(keys)
+    page.sections.append(Section(
+        "charts", "Low-precision formats per step", charts=charts,
+        note=f"SQNR in dB of quantizing each recorded tensor (activations, gradients `grad/...`) "
+        f"in each format: vermillion below {limits['bad']:g} dB, yellow below "
+        f"{limits['warn']:g} dB, blue above, as the dump tree colours them."
+        + (" Reduced to fit: each cell the lowest of its group." if reduced else ""),
+    ))  # fmt: skip
+    table = []
+    for rank, (names, rank_steps) in read.items():
+        for row in first_crossings(names, rank_steps):
+            warn, bad = row["warn"], row["bad"]
+            table.append({"class": "bad" if bad else "warn", "cells": [
+                rank, row["key"], row["format"], warn["step"], db_text(warn["sqnr_db"]),
+                "" if bad is None else bad["step"],
+                "" if bad is None else db_text(bad["sqnr_db"]),
+                db_text(row["first_db"]), db_text(row["last_db"])]})  # fmt: skip
+    page.summary.append((
+        "formats", f"{', '.join(formats)}: {len(table)} key/format pairs fall below "
+        f"{limits['warn']:g} dB SQNR" + (f", first at step {min(r['cells'][3] for r in table)}"
+                                         if table else ""),
+        "warn" if table else "ok",
+    ))  # fmt: skip
+    page.sections.append(Section(
+        "table", "First step below a threshold", rows=table,
+        columns=["rank", "key", "format", f"first step < {limits['warn']:g} dB", "SQNR then",
+                 f"first step < {limits['bad']:g} dB", "SQNR then", "SQNR, first step",
+                 "SQNR, last step"],
+        note="Each key and format whose SQNR falls below a threshold at some recorded step, "
+        "in the order they first do.",
+    ))  # fmt: skip
+
+
+def _lowest(
+    steps: list[tuple[int, dict[str, Any]]], keys: list[str], name: str,
+    rows: tuple[int, int], columns: tuple[int, int],
+) -> float | None | str:
+    """The lowest SQNR of `name` over a group of keys and steps: None when every one is exact,
+    "" when none has a figure."""
+    found = [f for c in range(*columns) for r in range(*rows)
+             if (f := steps[c][1].get(keys[r], {}).get(name)) is not None]  # fmt: skip
+    if not found:
+        return ""
+    values = [f["sqnr_db"] for f in found if f.get("sqnr_db") is not None]
+    return min(values) if values else None
