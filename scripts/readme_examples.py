@@ -4,15 +4,16 @@ Every fenced block of a page whose lines start with `$ modeltap ...` is an examp
 runs (in-process, 80 columns, in a scratch folder shared by the page's blocks, with the checkout's
 `models/` linked in) and the lines after it, up to the next `$` line, are its output (stdout, then
 stderr). `$ echo $?` prints the previous command's exit code, `$ ls ARGS` lists files as `ls` does,
-`$ python NAME.py` runs the script docs/examples/NAME.py (copied into the scratch folder, where
-the page can link it; its stdout, and its stderr only when it fails), and `| head -N` after a
-command keeps its first N lines. A line `...` elides output: there, the page's lines are kept and
-only their numbers are refreshed, each from the generated line with the same words. A block
-that runs anything else fails the check (`skipped`) unless it is marked a fragment, as below. A
-```python block runs too (in the same folder, in page order, its own globals), and fails the
-check when it raises. A block that cannot run here (it needs your dataset or a framework's
-launcher) says so in the line before its fence, `<!-- example: fragment -->`, and in its text;
-no `$` block of the docs is one.
+`$ python NAME.py` runs the script docs/examples/NAME.py (copied into the scratch folder, where the
+page can link it; its stdout, and its stderr only when it fails; a factory `NAME:function` of
+docs/examples is copied in the same way), and `| head -N` after a command keeps its first N lines;
+a path into the scratch folder is printed relative to it. A line `...` elides output: there, the
+page's lines are kept and only their numbers are refreshed, each from the generated line with the
+same words. A block that runs anything else fails the check (`skipped`) unless it is marked a
+fragment, as below. A ```python block runs too (in the same folder, in page order, its own
+globals), and fails the check when it raises. A block that cannot run here (it needs your dataset
+or a framework's launcher) says so in the line before its fence, `<!-- example: fragment -->`, and
+in its text; no `$` block of the docs is one.
 
     python scripts/readme_examples.py                   # rewrite README.md and docs/**/*.md
     python scripts/readme_examples.py --check           # exit 1 if an example is out of date
@@ -264,7 +265,20 @@ def run(command: str, cwd: Path) -> tuple[list[str], int]:
     """Run one command; (output lines, exit code)."""
     args, head = _head(shlex.split(command, comments=True))
     lines, code = _run_one(args, cwd)
+    # a path into the scratch folder (an op's source line) as the reader's, relative to it
+    lines = [line.replace(f"{cwd.resolve()}{os.sep}", "") for line in lines]
     return (lines if head is None else lines[:head]), code
+
+
+def _copy_examples(args: list[str], cwd: Path) -> None:
+    """The docs/examples scripts a command names, as `NAME.py` or as a factory `NAME:function`,
+    copied into the scratch folder (a fresh import of each)."""
+    for arg in args:
+        name = re.fullmatch(r"(\w+)(\.py|:\w+)", arg)
+        if name and (EXAMPLES / f"{name[1]}.py").is_file():
+            source = (EXAMPLES / f"{name[1]}.py").read_text(encoding="utf-8")
+            (cwd / f"{name[1]}.py").write_text(source, encoding="utf-8")
+            sys.modules.pop(name[1], None)
 
 
 def _run_one(args: list[str], cwd: Path) -> tuple[list[str], int]:
@@ -276,9 +290,8 @@ def _run_one(args: list[str], cwd: Path) -> tuple[list[str], int]:
     for name, build in FIXTURES.items():
         if name in args and not (cwd / name).exists():
             build(cwd / name)
+    _copy_examples(args, cwd)
     if args[0] == "python":
-        script = cwd / args[1]
-        script.write_text((EXAMPLES / args[1]).read_text(encoding="utf-8"), encoding="utf-8")
         done = subprocess.run(
             [sys.executable, *args[1:]], cwd=cwd, capture_output=True, text=True,
             env={**os.environ, "HF_HUB_OFFLINE": "1"},

@@ -191,13 +191,22 @@ def test_a_block_the_script_cannot_run_fails_the_check_unless_marked_a_fragment(
 
 def test_head_keeps_a_commands_first_lines_and_python_runs_a_docs_example(tmp_path):
     examples = _examples()
-    (tmp_path / "a.txt").write_text("")
-    (tmp_path / "b.txt").write_text("")
-    every, code = examples.run("ls -1", tmp_path)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (scratch / "a.txt").write_text("")
+    (scratch / "b.txt").write_text("")
+    every, code = examples.run("ls -1", scratch)
     assert every == ["a.txt", "b.txt"] and code == 0
-    assert examples.run("ls -1 | head -1", tmp_path) == (["a.txt"], 0)
-    # a script of docs/examples runs in the scratch folder, its stdout the output
-    page = "```\n$ python nan_at_step3.py\nNonFiniteError: stale\n```\n"
-    _, problems = examples.regenerate(page, tmp_path)
-    assert len(problems) == 1 and "NonFiniteError: non-finite forward at step 3" in problems[0]
-    assert (tmp_path / "runs" / "exp2").is_dir()
+    assert examples.run("ls -1 | head -1", scratch) == (["a.txt"], 0)
+    # a script of docs/examples runs in the scratch folder, its stdout the output, a path into
+    # the folder printed relative to it
+    examples.EXAMPLES = tmp_path / "examples"
+    examples.EXAMPLES.mkdir()
+    (examples.EXAMPLES / "hello.py").write_text(
+        "import os, sys\nopen('made.txt', 'w')\nprint(os.path.abspath('made.txt'))\n"
+        "print('noise', file=sys.stderr)\n"
+    )
+    page = "```\n$ python hello.py\nstale\n```\n"
+    out, problems = examples.regenerate(page, scratch)
+    assert problems == ["`python hello.py`: 'stale' now 'made.txt'"]
+    assert out == page.replace("stale", "made.txt") and (scratch / "made.txt").is_file()
