@@ -295,6 +295,10 @@ def wrong_attention(module, query, key, value, attention_mask, scaling=None, **k
 
 
 def test_attention_implementations(bert_dir):
+    """attn:eager passes; an attention function at the wrong temperature makes each
+    self-attention an origin, and the root one too: transformers builds no mask for an
+    attention function it has no mask function for, so the candidate's own root code hands its
+    encoder no padding mask (a stand-in that ignored its input hid that)."""
     from transformers import AttentionInterface
 
     same = invoke(bert_dir, *TEXTS, "--against", "attn:eager", "--json")
@@ -306,8 +310,27 @@ def test_attention_implementations(bert_dir):
     AttentionInterface.register("modeltap_test_wrong", wrong_attention)
     wrong = invoke(bert_dir, *TEXTS, "--against", "attn:modeltap_test_wrong", "--json")
     assert wrong.exit_code == 1, wrong.output
-    origins = {o["module"] for o in json.loads(wrong.stdout)["origins"]}
-    assert origins == {f"encoder.layer.{i}.attention.self" for i in range(2)}
+    found = json.loads(wrong.stdout)
+    origins = {o["module"] for o in found["origins"]}
+    assert origins == {"__root__", *(f"encoder.layer.{i}.attention.self" for i in range(2))}
+    # The root's local error, in plain transformers: its reference encoder and pooler on its
+    # reference embeddings, with no attention mask.
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(bert_dir).eval()
+    seen = {}
+    handle = model.embeddings.register_forward_hook(lambda m, a, out: seen.setdefault("x", out))
+    with torch.no_grad():
+        want = model(**batch(bert_dir))
+        handle.remove()
+        hidden = model.encoder(seen["x"], attention_mask=None).last_hidden_state
+        pooled = model.pooler(hidden)
+    expected = max(
+        float((got - ref).abs().max() / ref.abs().max())
+        for got, ref in ((hidden, want.last_hidden_state), (pooled, want.pooler_output))
+    )
+    (root,) = [m for m in found["modules"] if m["module"] == "__root__"]
+    assert root["local_error"] == pytest.approx(expected, rel=1e-3)
 
 
 class Jitter(torch.nn.Module):

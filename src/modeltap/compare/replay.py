@@ -6,11 +6,14 @@
      the **cumulative** error, with diff's metrics and tolerances;
    - the candidate's corresponding module is called on the module's exact args and kwargs, cast
      to its dtype and moved to its device, with each of its selected children short-circuited:
-     the child returns the reference child's output of that call (cast the same way) instead of
-     running (see `shortcut`). Its output against the reference's is the **local** error: the
-     error of the module's own code, from perfect inputs and perfect children's outputs. Every
-     operation of the model so runs in one module's replay only: all replays together cost
-     about one candidate forward, not one per nesting level;
+     the child returns what the reference child computes on the input the replay hands it,
+     cast the same way, instead of running (see `Replayer.stand_in`). Its output against the
+     reference's is the **local** error: the error of the module's own code, from perfect
+     inputs, carried through its children as the reference computes them (an error made before
+     a child reaches the output; the child's own does not). A child hands back its recorded
+     output where its input is bit for bit that of its own replay, so it runs again only where
+     its parent's code computed its input: all replays together cost about one candidate
+     forward, not one per nesting level;
    - the reference module is replayed the same way and must reproduce its output bit for bit
      (**validation**: a module with hidden state, randomness or an input it changes in place
      can't be replayed faithfully, and is flagged rather than blamed).

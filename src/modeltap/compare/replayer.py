@@ -4,6 +4,11 @@
 forward hook hands its call to a `Replayer`, which replays it on the reference (validation) and on
 the candidate's counterpart (the local error), its recorded children standing in for themselves
 where they can (see `shortcut`), and compares the outputs.
+
+In the candidate's replay a child stands in with the reference child's output on the input the
+replayed parent hands it (`Replayer.stand_in`): the error of the parent's own code before the
+child reaches the parent's output through the child, as it would in the candidate, while the
+child's own error stays out (its own replay measures it, from the reference's input).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Replayer:
         # A module without weights (an activation, a dropout) computes in the candidate's dtype.
         root = cand_modules[ROOT]
         self.default = (compute_dtype(root), model_device(root))
+        self.ref_default = (compute_dtype(reference), model_device(reference))
         self.placement: dict[str, tuple[Any, Any]] = {}
         self.ref_norms: dict[str, float | None] = {}  # the cumulative sink's, shared
         # Attention masks are built by the model in its attention implementation's format
@@ -203,15 +209,13 @@ class Replayer:
     ) -> tuple[Any, Any]:
         """The reference's and the candidate's replays, each child standing in with its
         recorded output (the candidate's cast to its counterpart's dtype and device)."""
-        reference = Shortcut(records, self.ref_modules.__getitem__, lambda r: r.output)
+        reference = Shortcut(records, self.ref_modules.__getitem__, lambda r, a, k: r.output)
         with reference:
             again = module(*_cast(args, None, None), **_cast(kwargs, None, None))
         reference.check()
         masks = self.additive_masks
         candidate = Shortcut(
-            records,
-            lambda name: self.cand_modules[self.results[name].other or ""],
-            lambda r: self._to_candidate(r.child, r.output),
+            records, lambda name: self.cand_modules[self.results[name].other or ""], self.stand_in
         )
         with candidate:
             replayed = cand(
@@ -219,6 +223,27 @@ class Replayer:
             )
         candidate.check()
         return again, replayed
+
+    def stand_in(self, record: Record, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A selected child's output in its candidate parent's replay: the reference child's on
+        the input the parent hands it, cast for the candidate. Where that input is the one the
+        child's own replay starts from (the reference's, cast as every replay casts it), the
+        parent's code changed nothing on the way in, and the output is the recorded one: the
+        cast's effect is counted once, in the child's own replay, and the child is not run."""
+        if self._as_replayed(record, args, kwargs):
+            output = record.output
+        else:
+            module = self.ref_modules[record.child]
+            dtype, device = _module_dtype_device(module) or self.ref_default
+            output = module(*_cast(args, dtype, device), **_cast(kwargs, dtype, device))
+        return self._to_candidate(record.child, output)
+
+    def _as_replayed(self, record: Record, args: Any, kwargs: Any) -> bool:
+        """Whether a stand-in's inputs are bit for bit those of the child's own replay."""
+        if record.inputs is None or versions(record.inputs) != record.input_versions:
+            return False  # changed in place since: what the reference gave is gone
+        dtype, device = self._cand_placement(record.child)
+        return _same_call(_cast(record.inputs, dtype, device, self.additive_masks), (args, kwargs))
 
     @staticmethod
     def _mode(
@@ -313,6 +338,21 @@ def _identical(a: Any, b: Any) -> bool:
     return True
 
 
+def _same_call(a: Any, b: Any) -> bool:
+    """`_identical`, and every leaf that is not a tensor equal too."""
+    import torch
+
+    try:
+        if not _identical(a, b):
+            return False
+        for (_, x), (_, y) in zip(flatten(a), flatten(b), strict=True):
+            if not isinstance(x, torch.Tensor) and (type(x) is not type(y) or not bool(x == y)):
+                return False
+    except (RuntimeError, TypeError, ValueError):  # tensors on two devices, an odd `==`
+        return False
+    return True
+
+
 def _not_replayable(module: nn.Module, args: Any, kwargs: Any) -> str | None:
     """`nondeterministic` for active dropout in the module, `stateful` for a cache in the call."""
     from torch import nn
@@ -346,9 +386,11 @@ def reference_hooks(
     stack: list[Frame] = []
 
     def make_pre(name: str) -> Any:
-        def pre_hook(module: nn.Module, args: Any) -> None:
+        def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             if not replayer.active:
-                stack.append(Frame(name, replayer.wants(name)))
+                # A caller that will be replayed keeps the call's inputs for its stand-in.
+                kept = versions((args, kwargs)) if stack and stack[-1].wanted else None
+                stack.append(Frame(name, replayer.wants(name), input_versions=kept))
 
         return pre_hook
 
@@ -363,8 +405,10 @@ def reference_hooks(
             if stack and stack[-1].wanted:
                 caller = stack[-1]
                 if replayer.can_stand_in(name):
-                    valid = results[name].valid
-                    caller.records.append(Record(name, output, before, valid))
+                    kept = frame.input_versions
+                    inputs = (args, kwargs) if versions((args, kwargs)) == kept else None
+                    record = Record(name, output, before, results[name].valid, inputs, kept)
+                    caller.records.append(record)
                 else:
                     caller.inline.append(name)
 
@@ -374,7 +418,7 @@ def reference_hooks(
         model.train(train_mode)
         for name in results:
             module = by_name[name]
-            handles.append(module.register_forward_pre_hook(make_pre(name)))
+            handles.append(module.register_forward_pre_hook(make_pre(name), with_kwargs=True))
             handles.append(module.register_forward_hook(make(name), with_kwargs=True))
         yield
     finally:

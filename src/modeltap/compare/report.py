@@ -1,7 +1,9 @@
 """What `compare` found, per module: local error (replay), cumulative error (diff), attribution.
 
 A module's local error is that of its own code: it is replayed with its selected children
-short-circuited to the reference's outputs (`SHORT_CIRCUIT`), or is a leaf (`LEAF`). An **origin**
+short-circuited (`SHORT_CIRCUIT`: each returns the reference child's output on the input the
+replay hands it, so the module's own error reaches its output through them and theirs does not),
+or is a leaf (`LEAF`). An **origin**
 is a module whose local error is out of tolerance: the error arises in its own code. A module
 replayed in full (`FULL`: its children could not stand in, see its `replay_note`) measures its
 children's error too, so it is an origin only when no selected descendant's local error is out.
@@ -29,7 +31,7 @@ REPORT_SCHEMA = "modeltap.compare/3"
 
 # How a module's replay ran (ModuleResult.replay).
 LEAF = "leaf"  # no selected child was called: replayed as it is
-SHORT_CIRCUIT = "short_circuit"  # its selected children returned the reference's outputs
+SHORT_CIRCUIT = "short_circuit"  # its selected children returned the reference child's outputs
 FULL = "full"  # its children were computed again (replay_note says why)
 
 # Module statuses: replayed, or why not.

@@ -2,11 +2,12 @@
 
 During the reference's forward each selected module that runs pushes a `Frame`; when a selected
 module returns, its output is appended (as a `Record`) to the frame of the selected module that
-called it, its nearest selected caller. When that caller's own hook fires, it is replayed with
-each recorded child standing in for itself: the child's `forward` is shadowed (an instance
-attribute, removed again on the way out) by a function that returns the next recorded output,
-cast for the candidate. So a replay runs only the module's own code (what is not in a selected
-child), and all replays together cost about one forward.
+called it, its nearest selected caller, with the inputs it was called with. When that caller's
+own hook fires, it is replayed with each recorded child standing in for itself: the child's
+`forward` is shadowed (an instance attribute, removed again on the way out) by a function that
+hands the call's inputs to `convert` with the next record (the replayer returns the reference
+child's output on them, see `Replayer.stand_in`). So a replay runs only the module's own code
+(what is not in a selected child) where its children get what the forward gave them.
 
 A stand-in is only faithful when the replay calls the children as the forward did and their
 outputs are what the parent saw; `Mismatch` says when not, and the caller replays in full.
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
 # Leaves of an output that a stand-in may hand over as they are.
 _SCALARS = (type(None), bool, int, float, complex, str)
 _UNSET = object()
+# Module.__call__ calls this instance attribute, where set, instead of `_call_impl` (torch's slot
+# for `module.compile()`): a stand-in there replaces the whole call, the child's hooks included.
+_CALL = "_compiled_call_impl"
 
 
 class Mismatch(Exception):
@@ -41,6 +45,10 @@ class Record:
     output: Any
     versions: tuple[int, ...] | None  # the output's tensors' version counters when it returned
     valid: bool = True  # the child's own replay reproduced its output
+    # The call's (args, kwargs) and their tensors' version counters when it began; None when the
+    # child changed them in place (they are no longer what it was given).
+    inputs: Any = None
+    input_versions: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -51,6 +59,7 @@ class Frame:
     wanted: bool  # the module will be replayed: keep its children's outputs until it returns
     records: list[Record] = field(default_factory=list)
     inline: list[str] = field(default_factory=list)  # children it must compute itself
+    input_versions: tuple[int, ...] | None = None  # its inputs' when the call began
 
 
 def versions(output: Any) -> tuple[int, ...] | None:
@@ -105,43 +114,51 @@ def check_castable(records: list[Record]) -> None:
 
 
 class Shortcut:
-    """Within the block, each child in `records` returns its next recorded output (`convert`ed:
-    `convert(record)`) instead of running; `modules` gives the module to shadow for a name."""
+    """Within the block, each child in `records` returns `convert(record, args, kwargs)` for its
+    next record and the call's inputs instead of running; `modules` gives the module to shadow
+    for a name."""
 
     def __init__(
         self,
         records: list[Record],
         modules: Callable[[str], nn.Module],
-        convert: Callable[[Record], Any],
+        convert: Callable[[Record, tuple[Any, ...], dict[str, Any]], Any],
     ) -> None:
         self.records = records
         self.modules = modules
         self.convert = convert
         self.cursor = 0
         self.failure: str | None = None
-        self.saved: list[tuple[nn.Module, Any]] = []
+        self.saved: list[tuple[nn.Module, Any, Any]] = []
 
     def __enter__(self) -> Shortcut:
         for name in dict.fromkeys(r.child for r in self.records):
             module = self.modules(name)
-            if any(module is m for m, _ in self.saved):
+            if any(module is m for m, _, _ in self.saved):
                 self._restore()
                 raise Mismatch(f"two children are one module in the replayed model ('{name}')")
-            self.saved.append((module, module.__dict__.get("forward", _UNSET)))
+            state = module.__dict__
+            self.saved.append((module, state.get("forward", _UNSET), state.get(_CALL, _UNSET)))
             # Set in __dict__ directly: an instance attribute shadows the class's forward, and
-            # Module.__setattr__ (or a wrapper's own) is bypassed.
-            module.__dict__["forward"] = self._stand_in(name)
+            # Module.__setattr__ (or a wrapper's own) is bypassed. The call slot too, so that the
+            # child's hooks (a quantized Linear's input pre-hook, a fault) are the child's own
+            # computation and stay out of its caller's replay; forward for a direct .forward().
+            stand_in = self._stand_in(name)
+            state["forward"] = stand_in
+            if hasattr(module, _CALL):
+                state[_CALL] = stand_in
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._restore()
 
     def _restore(self) -> None:
-        for module, old in reversed(self.saved):
-            if old is _UNSET:
-                module.__dict__.pop("forward", None)
-            else:
-                module.__dict__["forward"] = old
+        for module, forward, call in reversed(self.saved):
+            for attribute, old in (("forward", forward), (_CALL, call)):
+                if old is _UNSET:
+                    module.__dict__.pop(attribute, None)
+                else:
+                    module.__dict__[attribute] = old
         self.saved = []
 
     def _stand_in(self, name: str) -> Callable[..., Any]:
@@ -152,7 +169,7 @@ class Shortcut:
             if record.child != name:
                 self._fail(f"the replay calls '{name}' where the forward called '{record.child}'")
             self.cursor += 1
-            return self.convert(record)
+            return self.convert(record, args, kwargs)
 
         return forward
 

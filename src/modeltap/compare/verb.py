@@ -28,6 +28,7 @@ def compare(
     equal_nan: bool = False,
     seed: int = 0,
     out_dir: str | os.PathLike[str] | None = None,
+    ops: bool = False,
 ) -> CompareReport:
     """Run `model` and `candidate` on `inputs`, replay each selected module with the reference's
     inputs, and return the report (`.passed`, `.origins`: the modules that introduced the error).
@@ -35,7 +36,9 @@ def compare(
     `candidate`: a model with `model`'s module names, or a variant of `model` as `--against`
     names it (`"bf16"`, `"fp16"`, `"attn:sdpa"`, `"int8-weight"`...). `preset`: the tolerances
     (default: the variant's, as `modeltap compare`); `atol`, `rtol` over it. `inputs`, `depth`,
-    `include`, `exclude` and `tokenizer` as `modeltap.dump`'s; `out_dir` keeps both dumps."""
+    `include`, `exclude` and `tokenizer` as `modeltap.dump`'s; `out_dir` keeps both dumps.
+    `ops`: as `--ops`, the op inside the worst origin that introduces the most error
+    (`.op_blame`: `.path()`, `.worst` with its source line)."""
     from pathlib import Path
 
     from modeltap.compare.replay import Options, compare_models
@@ -74,4 +77,9 @@ def compare(
         with tempfile.TemporaryDirectory(prefix="modeltap-compare-") as work:
             report = compare_models(model, candidate, run_on, modules, work, options=options)
     report.preset = preset
+    if ops and report.origins:
+        from modeltap.compare.ops import blame_ops
+
+        origin = report.origins[0].name
+        report.op_blame = blame_ops(model, candidate, run_on, origin, seed=seed)
     return report
