@@ -37,6 +37,7 @@ REST = CliOption(
     "against",
     "bisect",
     "bisect_out",
+    "target",
     "ops",
     "input_file",
     *SELECT,
@@ -126,6 +127,7 @@ def compare_command(
         offered=offered_flags(), note=note, status=stderr().status,
     )  # fmt: skip
     report.preset = preset_name
+    _check_bisected(report.bisection, preset_name)
     _write_report(report, work, junit=junit, html=html, json_out=json_out, show_all=show_all)
     if report.bisection is not None:
         raise typer.Exit(_write_bisection(report.bisection, s.bisect_out, json_out=json_out))
@@ -133,9 +135,16 @@ def compare_command(
 
 
 def _check_bisect(s: Settings, variant: Any, generate: int | None) -> None:
-    """--bisect needs a quantized variant and one forward; --bisect-out needs --bisect."""
+    """--bisect needs a quantized variant and one forward; --bisect-out and --target need
+    --bisect, and --target one of its two forms."""
     if s.bisect_out is not None and not s.bisect:
         raise InputError("--bisect-out writes what --bisect finds; add --bisect")
+    if s.target is not None:
+        from modeltap.compare.bisect import parse_target
+
+        parse_target(s.target)
+        if not s.bisect:
+            raise InputError("--target sets what --bisect aims for; add --bisect")
     if not s.bisect:
         return
     if not variant.quant:
@@ -149,6 +158,19 @@ def _check_bisect(s: Settings, variant: Any, generate: int | None) -> None:
         from modeltap.compare.bisect import check_bisect_out
 
         check_bisect_out(Path(s.bisect_out))
+
+
+def _check_bisected(result: Any, preset: str) -> None:
+    """A compare that passes with every Linear quantized leaves --bisect nothing to find: one
+    line, exit 2, before any file is written."""
+    if result is None or not result.curve or not result.curve[0].passed:
+        return
+    goal = result.goal if result.target else f"the {preset} preset"
+    raise InputError(
+        f"--bisect: nothing needs keeping: with every Linear {result.variant} "
+        f"({result.engine}) the output is within {goal} (error {result.error:.3g}); drop "
+        "--bisect, or ask for more with --target sqnr=DB"
+    )
 
 
 def _write_bisection(result: Any, out: str | None, *, json_out: bool) -> int:

@@ -6,12 +6,15 @@ the compare report, which the replay measured, as a mean relative error: see `_r
 are kept one by one in that order, the model run after each, until its output is within the
 tolerance; then each kept module is dropped again if the output stays within without it, so the
 set is minimal for that ranking. The output is the model's own (every floating tensor it
-returns), judged as compare judges cumulative errors.
+returns), judged as compare judges cumulative errors, or against a `--target` (`Target`): every
+output's rel_rmse = ||a - b|| / ||b|| at most X (`rel_rmse=X`) or its SQNR = -20 log10 rel_rmse at
+least DB decibels (`sqnr=DB`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +30,38 @@ if TYPE_CHECKING:
     from modeltap.loading import Inputs
 
 OUT_SUFFIXES = (".toml", ".json")
+TARGET_SYNTAX = "give rel_rmse=X (X > 0) or sqnr=DB, e.g. --target sqnr=30"
+# how the output error is measured: against the tolerance, or against a --target
+OF_TOLERANCE = "share of the tolerance; above 1 fails"
+
+
+@dataclass(frozen=True)
+class Target:
+    """`--target`: the output's rel_rmse at most `rel_rmse` (given as itself or as an SQNR)."""
+
+    text: str  # as given: rel_rmse=0.05, sqnr=30
+    rel_rmse: float
+
+    @property
+    def sqnr_db(self) -> float:
+        return -20.0 * math.log10(self.rel_rmse)
+
+
+def parse_target(text: str) -> Target:
+    """`rel_rmse=X` or `sqnr=DB` (`sqnr_db=DB` too), or the InputError naming the syntax."""
+    metric, sep, raw = text.partition("=")
+    metric = metric.strip().lower()
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not sep or metric not in ("rel_rmse", "sqnr", "sqnr_db") or not math.isfinite(value):
+        raise InputError(f"--target '{text}' is not a target; {TARGET_SYNTAX}")
+    if metric == "rel_rmse":
+        if value <= 0:
+            raise InputError(f"--target '{text}': rel_rmse must be above 0; {TARGET_SYNTAX}")
+        return Target(f"rel_rmse={value:g}", value)
+    return Target(f"sqnr={value:g}", 10.0 ** (-value / 20.0))
 
 
 @dataclass
@@ -34,7 +69,9 @@ class Step:
     """The output with `kept` modules in high precision."""
 
     kept: int
-    error: float  # the largest max |a - b| / max |b| over the model's floating outputs
+    # the largest, over the model's floating outputs, of its share of the tolerance (the
+    # elementwise rule's or the cosine's: diff.tolerance.margin), or of its rel_rmse (--target)
+    error: float
     passed: bool
 
 
@@ -48,6 +85,13 @@ class Bisection:
     error: float = 0.0  # the output error with the set kept
     passed: bool = False  # the output passes with the set kept (False: not even with all)
     curve: list[Step] = field(default_factory=list)  # greedy: error against modules kept
+    target: str | None = None  # --target as given; None: the tolerance
+    measure: str = OF_TOLERANCE  # what `error` is: the rel_rmse with a target
+
+    @property
+    def goal(self) -> str:
+        """What passing means: 'tolerance' or '--target sqnr=30'."""
+        return f"--target {self.target}" if self.target else "tolerance"
 
     @property
     def share(self) -> float:
@@ -63,6 +107,8 @@ class Bisection:
             "quantized_parameters": self.quantized_parameters,
             "kept_share": self.share,
             "output_error": self.error,
+            "output_error_measure": self.measure,
+            "target": self.target,
             "curve": [
                 {"kept": s.kept, "output_error": s.error, "passed": s.passed} for s in self.curve
             ],
@@ -75,9 +121,11 @@ def bisect(
     inputs: Inputs,
     report: CompareReport,
     options: Options,
+    target: Target | None = None,
 ) -> Bisection:
-    """The smallest set of `candidate`'s quantized Linears to keep for its output to pass, ranked
-    by `report`'s local errors; `candidate` is left with every Linear quantized again."""
+    """The smallest set of `candidate`'s quantized Linears to keep for its output to pass (the
+    tolerance, or `target`), ranked by `report`'s local errors; `candidate` is left with every
+    Linear quantized again."""
     from modeltap.compare.quantize import quantized
 
     state = quantized(candidate)
@@ -89,11 +137,16 @@ def bisect(
     def run(kept: list[str]) -> Step:
         state.keep(set(kept))
         got = _outputs(candidate, inputs, options.seed)
+        if target is not None:
+            return _meets(got, expected, target, len(kept))
         return _judge(got, expected, tolerance, len(kept), options.equal_nan)
 
     result = Bisection(
         state.name, state.engine, quantized_parameters=_weights(state, list(state.linears))
     )
+    if target is not None:
+        result.target = target.text
+        result.measure = f"||a - b|| / ||b||; --target {target.text}: at most {target.rel_rmse:.3g}"
     try:
         result.curve.append(run([]))
         kept: list[str] = []
@@ -152,13 +205,31 @@ def _judge(
     equal_nan: bool,
 ) -> Step:
     from modeltap.diff.pairs import compare
+    from modeltap.diff.tolerance import margin
 
     pairs = [
         compare(key, key, a.float().cpu(), b.float().cpu(), tolerance, equal_nan=equal_nan)
         for (key, a), (_, b) in zip(got, expected, strict=True)
     ]
-    errors = [p.max_scaled for p in pairs if p.max_scaled is not None]
+    errors = [margin(p, tolerance) for p in pairs]
     return Step(kept, max(errors, default=0.0), all(p.ok for p in pairs))
+
+
+def _meets(
+    got: list[tuple[str, Any]], expected: list[tuple[str, Any]], target: Target, kept: int
+) -> Step:
+    """The largest rel_rmse over the outputs (float64; NaN where either side is not finite, which
+    fails), and whether it meets `target`."""
+    import torch
+
+    errors = []
+    for (_, a), (_, b) in zip(got, expected, strict=True):
+        a, b = a.detach().double().cpu(), b.detach().double().cpu()
+        norm = float(torch.linalg.vector_norm(b))
+        diff = float(torch.linalg.vector_norm(a - b))
+        errors.append(diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf))
+    error = math.nan if any(math.isnan(e) for e in errors) else max(errors, default=0.0)
+    return Step(kept, error, error <= target.rel_rmse)  # NaN compares False
 
 
 def check_bisect_out(path: Path) -> None:

@@ -78,10 +78,11 @@ def compare_forward_run(
             )
     report.replay_note = replay_note
     if s.bisect:
-        from modeltap.compare.bisect import bisect
+        from modeltap.compare.bisect import bisect, parse_target
 
+        target = parse_target(s.target) if s.target else None
         with status("bisecting: the fewest modules to keep in high precision"):
-            report.bisection = bisect(loaded.model, candidate, inputs, report, options)
+            report.bisection = bisect(loaded.model, candidate, inputs, report, options, target)
     if s.ops and report.origins:
         from modeltap.compare.ops import blame_ops
 

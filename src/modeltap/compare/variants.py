@@ -36,7 +36,8 @@ DEFAULT_PRESET = {
     "checkpoint": "fp32",
     "compile": "compile",  # fp32 where configs/tolerances.toml has no [compile]
     "export": "fp32",
-    "quant": "bf16",  # a quantized variant is judged as bf16 is, unless --preset says otherwise
+    # a quantized variant: its own, scaled to the format's error (see tolerances.toml)
+    **{name: name for name in RECIPES},
 }
 
 
@@ -65,7 +66,7 @@ class Variant:
     @property
     def kind(self) -> str:
         if self.quant:
-            return "quant"
+            return self.quant
         if self.backend:
             return self.backend
         return "attn" if self.attn else (self.device or self.dtype or "checkpoint")

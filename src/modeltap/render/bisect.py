@@ -18,7 +18,7 @@ def bisect_text(result: Any) -> Text:
         text.append("bisect: nothing needs keeping", style="bold green")
         text.append(
             f": with every Linear {result.variant} ({result.engine}),\nthe output is within "
-            f"tolerance (error {first.error:.3g})"
+            f"{result.goal} (error {first.error:.3g})"
         )
         return text
     if not result.passed:
@@ -35,7 +35,10 @@ def bisect_text(result: Any) -> Text:
         )
         for name in result.kept:
             text.append(f"  {name}\n")
-    text.append("output error with the first k modules kept (largest local error first):\n")
+    text.append(
+        f"output error ({result.measure}) with the first k modules kept (largest local "
+        "error first):\n"
+    )
     steps = result.curve
     if len(steps) > CURVE_ROWS:  # evenly spaced, the last one always
         every = -(-len(steps) // CURVE_ROWS)
