@@ -852,3 +852,53 @@ def test_grad_scaler_overflow_without_scaler_is_a_skipped_step(
         assert [s.get("skipped", False) for s in index.steps] == [False, False, True, False, False]
         for step in (0, 1, 3, 4):  # read after scaler.unscale_, as the optimizer takes them
             _assert_same_grads(_recorded_param_grads(tmp_path / "run", step), unscaled[step])
+
+
+def test_trainer_callback_passes_formats_and_ops_through(tmp_path: Path) -> None:
+    """ModeltapCallback(..., formats=[...], ops=True): the recorded step holds the ops of the
+    selected attention (the query projection equal to F.linear of the module's input with that
+    step's weights, seen by a plain pre-hook) with their gradients, and every stored tensor's
+    figures equal test_formats' reference on it."""
+    from transformers import Trainer, TrainingArguments
+
+    from modeltap.integrations import ModeltapCallback
+    from tests.test_formats import assert_figures, reference_figures
+
+    model = _classifier()
+    attention = model.bert.encoder.layer[0].attention.self
+    seen: list[torch.Tensor] = []
+
+    def pre_hook(module, args, kwargs):
+        if module.training and torch.is_grad_enabled():
+            hidden = (args or (kwargs["hidden_states"],))[0].detach()
+            seen.append(nn.functional.linear(hidden, module.query.weight, module.query.bias))
+
+    attention.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "trainer"), max_steps=2, per_device_train_batch_size=2,
+        learning_rate=1e-2, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+        disable_tqdm=True, logging_strategy="no",
+    )  # fmt: skip
+    run = tmp_path / "run"
+    callback = ModeltapCallback(run, every=2, stats_only=False, formats=["int8", "mxfp8"],
+                                ops=True, include=["bert.encoder.layer.0.attention.self"])
+    Trainer(model=model, args=args, train_dataset=_Texts(8), callbacks=[callback]).train()
+
+    path = run / "step000002.rank0.safetensors"
+    assert [p.name for p in sorted(run.glob("step*.safetensors"))] == [path.name]
+    module = "bert.encoder.layer.0.attention.self"
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+        ops = json.loads(meta["ops"])
+        assert f"{module}/op00.linear" in ops and ops[f"{module}/op00.linear"]["op"].endswith(
+            "linear"
+        )
+        torch.testing.assert_close(f.get_tensor(f"{module}/op00.linear"), seen[1].detach())
+        assert f"grad/{module}/op00.linear" in f.keys()
+        stats = json.loads(meta["stats"])
+        keys = [k for k in f.keys() if k in stats and f.get_tensor(k).is_floating_point()]
+        assert any(k.startswith(f"grad/{module}/op") for k in keys)
+        for key in keys:
+            tensor = f.get_tensor(key)
+            for fmt in ("int8", "mxfp8"):
+                assert_figures(stats[key]["formats"][fmt], reference_figures(tensor, fmt))

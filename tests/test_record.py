@@ -835,8 +835,9 @@ def test_record_takes_the_options_as_keywords_declared_once(tmp_path: Path) -> N
         "every": 100, "grads": True, "params": True, "stats_only": True, "full_every": None,
         "include": (), "exclude": (), "depth": None, "on_nonfinite": "raise", "rules": None,
         "gather": False, "dead_threshold": 0.0, "start_step": None, "hist": False,
-        "formats": (), "eval": False, "eval_batches": 1, "scaler": None, "resume": False,
-        "overwrite": False, "keep_last": 8, "flight": False, "eager_tripwire": False,
+        "formats": (), "ops": False, "eval": False, "eval_batches": 1, "scaler": None,
+        "resume": False, "overwrite": False, "keep_last": 8, "flight": False,
+        "eager_tripwire": False,
     }  # fmt: skip
     params = inspect.signature(record).parameters
     assert list(params)[:2] == ["model", "out_dir"]
@@ -851,3 +852,77 @@ def test_record_takes_the_options_as_keywords_declared_once(tmp_path: Path) -> N
         RecordOptions(every=0)
     with pytest.raises(TypeError, match="evry"):
         modeltap.record(net, tmp_path / "run", evry=3)
+
+
+class _OpsNet(nn.Module):
+    """ops_models' SoftmaxBlock and a head, training; `depths` notes the torch function mode
+    stack's depth at each forward (a mode installed by record or not)."""
+
+    def __init__(self) -> None:
+        from tests.fixtures.ops_models import SoftmaxBlock
+
+        super().__init__()
+        self.block = SoftmaxBlock()
+        self.head = nn.Linear(4, 4)
+        self.depths: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.depths.append(torch._C._len_torch_function_stack())
+        return self.head(self.block(x))
+
+
+def test_record_ops_at_recorded_steps_equal_plain_torch_and_nothing_between(tmp_path) -> None:
+    """record(ops=True): on a recorded step each op's value and gradient equal plain torch's
+    from that step's weights; on the others no mode is installed."""
+    torch.manual_seed(0)
+    model = _OpsNet().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(4)
+    want: dict[int, dict[str, torch.Tensor]] = {}
+    with modeltap.record(model, tmp_path / "run", every=2, stats_only=False, ops=True) as rec:
+        for step in range(4):
+            x = torch.randn(3, 4, generator=g)
+            w = model.block.w.detach().clone().requires_grad_()
+            h = x @ w
+            p = torch.softmax(h, -1)
+            doubled = p * 2
+            loss = nn.functional.linear(doubled, model.head.weight.detach(),
+                                        model.head.bias.detach()).square().mean()
+            grads = torch.autograd.grad(loss, (h, p, doubled))
+            want[step] = {"matmul": h.detach(), "softmax": p.detach(), "grads": grads}
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+    assert model.depths == [1, 0, 1, 0]  # the mode only in the recorded steps' forwards
+    for step in (0, 2):
+        dump = load_dump(tmp_path / "run" / f"step{step:06d}.rank0.safetensors")
+        ops = json.loads(dump.metadata["ops"])
+        assert list(ops) == ["block/op00.matmul", "block/op01.softmax", "block/op02.mul",
+                             "head/op00.linear"]
+        torch.testing.assert_close(dump["block/op00.matmul"], want[step]["matmul"])
+        torch.testing.assert_close(dump["block/op01.softmax"], want[step]["softmax"])
+        for key, grad in zip(("op00.matmul", "op01.softmax", "op02.mul"), want[step]["grads"],
+                             strict=True):
+            torch.testing.assert_close(dump[f"grad/block/{key}"], grad)
+    assert not (tmp_path / "run" / "step000001.rank0.safetensors").exists()
+
+
+def test_record_ops_keys_a_second_forward_as_its_module_outputs(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = _OpsNet().train()
+    with modeltap.record(model, tmp_path / "run", every=1, ops=True,
+                         include=["block"]) as rec:
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(3, 4))  # an evaluation: none of its ops
+        model.train()
+        rec.step()
+    dump = load_dump(tmp_path / "run" / "step000000.rank0.safetensors")
+    assert list(json.loads(dump.metadata["ops"])) == [
+        "block/op00.matmul", "block/op01.softmax", "block/op02.mul",
+        "block@1/op00.matmul", "block@1/op01.softmax", "block@1/op02.mul",
+    ]
+    assert model.depths == [1, 1, 0]

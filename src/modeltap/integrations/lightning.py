@@ -30,7 +30,8 @@ from modeltap.integrations.start import RecordingCallback
 
 
 class ModeltapCallback(RecordingCallback, Callback):
-    """Records the LightningModule's training steps; keyword options are `modeltap.record`'s."""
+    """Records the LightningModule's training steps; keyword options are `modeltap.record`'s
+    (formats=[...] and ops=True among them)."""
 
     def __init__(self, out_dir: str | os.PathLike[str], *, every: int = 100, **options: Any):
         super().__init__(out_dir, every=every, **options)

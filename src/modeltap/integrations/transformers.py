@@ -22,7 +22,8 @@ from modeltap.integrations.start import RecordingCallback
 
 class ModeltapCallback(RecordingCallback, TrainerCallback):
     """`Trainer(..., callbacks=[ModeltapCallback("runs/exp1", every=50)])`; other keyword
-    options are `modeltap.record`'s (grads, params, full_every, include, depth, eval...)."""
+    options are `modeltap.record`'s (grads, params, full_every, include, depth, eval, formats,
+    ops...)."""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         model, optimizer = kwargs.get("model"), kwargs.get("optimizer")

@@ -47,6 +47,8 @@ class RecordOptions:
     hist: bool = False
     # the low-precision what-if figures of each float tensor (stats/formats.py), checked when made
     formats: Sequence[str] = ()
+    # every op of the selected modules' own code on recorded steps (record.step_ops)
+    ops: bool = False
     eval: bool = False
     eval_batches: int | None = 1
     scaler: Any = None

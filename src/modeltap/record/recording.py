@@ -15,7 +15,8 @@ The recorder is one object, `Recording`, whose parts live one module per concern
 (RecordOptions, the keywords of `record`), `steps` (each recorded step's file and sink), `metadata`
 (what a step file says), `run_folder` (claiming, truncating, failed writes), `evaluation`,
 `optimizer_hooks` (parameter gradients at the optimizer step, update ratios), `nonfinite` (the
-tripwire's checks and trips) and `trip_files` (what a trip writes).
+tripwire's checks and trips), `trip_files` (what a trip writes) and `step_ops` (`ops=True`: the
+ops of the selected modules' own code on recorded steps).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from modeltap.record.options import RecordOptions, with_options
 from modeltap.record.rules import RuleHit
 from modeltap.record.run_folder import RunFolder
 from modeltap.record.sentinel import Sentinel
+from modeltap.record.step_ops import StepOps
 from modeltap.record.steps import StepFiles
 from modeltap.record.trip_files import TripFiles
 from modeltap.record.tripwire import Trip, Watch
@@ -52,7 +54,14 @@ if TYPE_CHECKING:
 
 
 class Recording(
-    StepFiles, StepMetadata, RunFolder, Evaluations, OptimizerHooks, NonFiniteChecks, TripFiles
+    StepFiles,
+    StepMetadata,
+    RunFolder,
+    Evaluations,
+    OptimizerHooks,
+    NonFiniteChecks,
+    TripFiles,
+    StepOps,
 ):
     """What `record(...)` returns; use it as a context manager and call `step()` once per step.
 
@@ -82,6 +91,7 @@ class Recording(
         self._modules: list[str] = select_modules(self.model, self.selection)
         self._by_name = {(n or ROOT): m for n, m in self.model.named_modules()}
         self._handles: list[Any] = []
+        self._op_handles: list[Any] = []
         self._index: IndexWriter | None = None
         self._watch: Watch | None = None
         self._sentinel: Sentinel | None = None
@@ -130,6 +140,8 @@ class Recording(
             self._handles.append(
                 root.register_forward_pre_hook(self._before_forward, with_kwargs=True)
             )
+            if self.options.ops:
+                self._handles += self._root_op_hooks(root)
             for name in self._modules:
                 hook = self._forward_hook(name)
                 module = self._by_name[name]
@@ -175,6 +187,7 @@ class Recording(
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._stop_ops()
         self._finish_eval()
         if self._writer is not None:
             self._writer.abort()
@@ -220,6 +233,18 @@ class Recording(
         model = self.model
 
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if self._op_mode is None:  # ops are traced in a recorded step's forward only
+                seen(module, args, kwargs, output)
+                return
+            tracer = self._op_tracer
+            assert tracer is not None
+            tracer.paused = True  # the recording's own torch calls are no op of the model's
+            try:
+                seen(module, args, kwargs, output)
+            finally:
+                tracer.paused = False
+
+        def seen(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if not (model.training and grad_enabled()):  # an evaluation forward
                 if self.options.eval:
                     self._record_eval(name, output)
@@ -261,6 +286,8 @@ def record(
     `hist`: each step file's statistics get a fixed-bin histogram per tensor (`stats.HIST_EDGES`).
     `formats`: each float tensor's statistics (activations, gradients, parameters) get what
     quantizing it in those formats would cost (`dump --formats`; stats/formats.py).
+    `ops`: on recorded steps, every op the selected modules' own code runs in a training forward
+    (`dump --ops`; record.step_ops), with its gradient when `grads`; nothing on other steps.
 
     A step holds the training forward and backward only; forwards under no_grad/inference_mode
     or with the model in eval mode are evaluations: `eval=True` writes the first `eval_batches`

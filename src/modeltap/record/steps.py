@@ -59,6 +59,7 @@ class StepFiles:
 
     @writes
     def _begin_step(self) -> None:
+        self._stop_ops()  # type: ignore[attr-defined]
         self._reset_step_state()
         self._recording = self.step_index % self.options.every == 0
         sentinel = self._sentinel
@@ -69,7 +70,7 @@ class StepFiles:
             self.options.full_every and self.step_index % self.options.full_every == 0
         )
         keys = (
-            len(self._modules) * (1 + self.options.grads)
+            len(self._modules) * (1 + self.options.grads) * (1 + 8 * self.options.ops)
             + len(self._named_params) * self.options.params
         )
         writer = DumpWriter(
@@ -85,6 +86,8 @@ class StepFiles:
         writer.__enter__()
         self._writer = writer
         self._recorder = Recorder(_StepSink(self))
+        if self.options.ops:
+            self._start_ops()  # type: ignore[attr-defined]
 
     @writes
     def _finish_step(self) -> list[RuleHit]:
@@ -99,7 +102,7 @@ class StepFiles:
             rank=self.rank.rank,
         )
         hits = self._structural_once(hits, writer)
-        meta = self._metadata(writer, recorder, hits)
+        meta = {**self._metadata(writer, recorder, hits), **self._ops_meta()}  # type: ignore[attr-defined]
         path = writer.finish(meta)
         for hit in hits:
             logger.warning("%s", hit)
