@@ -926,3 +926,15 @@ def test_record_ops_keys_a_second_forward_as_its_module_outputs(tmp_path) -> Non
         "block@1/op00.matmul", "block@1/op01.softmax", "block@1/op02.mul",
     ]
     assert model.depths == [1, 1, 0]
+
+
+@pytest.mark.parametrize("compiled", ["wrapped", "in_place"])
+def test_record_ops_refuses_a_compiled_model(tmp_path, compiled) -> None:
+    model = nn.Linear(2, 2)
+    if compiled == "wrapped":
+        model = torch.compile(model)
+    else:
+        model.compile()
+    with pytest.raises(InputError, match="ops=True sees the torch functions.*torch.compile"):
+        modeltap.record(model, tmp_path / "run", ops=True)
+    assert not (tmp_path / "run").exists()

@@ -38,7 +38,7 @@ from modeltap.record.options import RecordOptions, with_options
 from modeltap.record.rules import RuleHit
 from modeltap.record.run_folder import RunFolder
 from modeltap.record.sentinel import Sentinel
-from modeltap.record.step_ops import StepOps
+from modeltap.record.step_ops import StepOps, check_ops_model
 from modeltap.record.steps import StepFiles
 from modeltap.record.trip_files import TripFiles
 from modeltap.record.tripwire import Trip, Watch
@@ -76,6 +76,8 @@ class Recording(
             raise InputError(f"'{self.out_dir}' is a file; give record() a folder for the run")
         self.model = dist.unwrap(model)
         self.options = options
+        if options.ops:
+            check_ops_model(self.model)
         self.selection = options.selection()
         self.hits: list[RuleHit] = []
         self.trips: list[Trip] = []

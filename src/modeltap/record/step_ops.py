@@ -23,6 +23,22 @@ if TYPE_CHECKING:
     from modeltap.capture.ops import OpTracer
 
 
+def check_ops_model(model: nn.Module) -> None:
+    """ops=True needs the eager model running its own Python code: a torch.compile'd one runs
+    a graph (the ops seen would be dynamo's tracing, not the model's calls)."""
+    from modeltap.errors import InputError
+
+    compiled = type(model).__name__ == "OptimizedModule" or (
+        getattr(model, "_compiled_call_impl", None) is not None
+    )
+    if compiled:
+        raise InputError(
+            "ops=True sees the torch functions of the eager model's Python code, which a "
+            "torch.compile'd model does not run; record the module before compiling it "
+            "(model._orig_mod), or drop ops"
+        )
+
+
 class StepOps:
     """The op tracing of recorded steps (`Recording`'s state: `_op_tracer`, `_op_mode`,
     `_op_handles`)."""
