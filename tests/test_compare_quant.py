@@ -448,3 +448,37 @@ def test_a_model_without_linear_is_refused_in_one_line(tmp_path: Path) -> None:
     )  # fmt: skip
     assert code == 2 and stdout == "" and stderr.count("\n") == 1
     assert "the variant has nothing to quantize" in stderr
+
+
+def test_the_verb_bisects_and_says_which_quantizer_ran() -> None:
+    import modeltap
+
+    model, batch = _outlier_llama()
+    report = modeltap.compare(model, "int8-weight", batch, bisect=True)
+    assert report.preset == "int8-weight" and not report.passed
+    assert report.candidate["quantization"] == "emulated"
+    assert report.bisection.kept == [OUTLIER] and report.bisection.passed
+    tol = _options().accumulated(_options().tolerance)
+    kept = _out(_plain(model, "int8-weight", keep=(OUTLIER,)), batch)
+    assert _within(kept, _out(model, batch), tol)  # by hand
+    aimed = modeltap.compare(model, "int8-weight", batch, bisect=True, target="sqnr=50")
+    assert aimed.bisection.target == "sqnr=50" and OUTLIER in aimed.bisection.kept
+    by_hand = _out(_plain(model, "int8-weight", keep=tuple(aimed.bisection.kept)), batch)
+    assert _rel_rmse(by_hand, _out(model, batch)) <= 10**-2.5
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"candidate": "bf16", "bisect": True}, "quantized variant"),
+        ({"candidate": "int8-weight", "target": "sqnr=30"}, "add bisect=True"),
+        ({"candidate": "int8-weight", "bisect": True, "target": "db=3"}, "rel_rmse=X"),
+    ],
+)
+def test_the_verb_refuses_a_bisect_it_cannot_do(kwargs: dict, message: str) -> None:
+    import modeltap
+
+    model, batch = llama()
+    candidate = kwargs.pop("candidate")
+    with pytest.raises(InputError, match=message):
+        modeltap.compare(model, candidate, batch, **kwargs)

@@ -48,7 +48,7 @@ def compare_forward_run(
     inputs = _no_cache(loaded.model, inputs, s.use_cache)
     modules = select_modules(loaded.model, Selection(s.depth, tuple(s.include), tuple(s.exclude)))
     if s.bisect:
-        modules = _with_linears(loaded.model, candidate, modules)
+        modules = with_linears(loaded.model, candidate, modules)
     replay_note, rename = "", list(s.map)
     if variant.backend:
         from modeltap.compare.backends import COMPILED_RENAME, transform
@@ -155,7 +155,7 @@ def candidate_meta(s: Settings, candidate: Any, variant: Any) -> dict[str, str]:
     return meta
 
 
-def _with_linears(reference: Any, candidate: Any, modules: list[str]) -> list[str]:
+def with_linears(reference: Any, candidate: Any, modules: list[str]) -> list[str]:
     """`modules` and every quantized Linear, in the model's order: --bisect ranks the Linears by
     the local error their replay measures."""
     from modeltap.compare.quantize import quantized

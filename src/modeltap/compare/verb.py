@@ -29,6 +29,8 @@ def compare(
     seed: int = 0,
     out_dir: str | os.PathLike[str] | None = None,
     ops: bool = False,
+    bisect: bool = False,
+    target: str | None = None,
 ) -> CompareReport:
     """Run `model` and `candidate` on `inputs`, replay each selected module with the reference's
     inputs, and return the report (`.passed`, `.origins`: the modules that introduced the error).
@@ -38,7 +40,11 @@ def compare(
     (default: the variant's, as `modeltap compare`); `atol`, `rtol` over it. `inputs`, `depth`,
     `include`, `exclude` and `tokenizer` as `modeltap.dump`'s; `out_dir` keeps both dumps.
     `ops`: as `--ops`, the op inside the worst origin that introduces the most error
-    (`.op_blame`: `.path()`, `.worst` with its source line)."""
+    (`.op_blame`: `.path()`, `.worst` with its source line). `bisect`: with a quantized variant,
+    as `--bisect`, the fewest modules to keep in high precision for the output to pass the
+    preset, or to reach `target` (`"rel_rmse=0.05"`, `"sqnr=30"`) (`.bisection`: `.kept`,
+    `.share`, `.error`, `.passed`, `.curve`); `.candidate["quantization"]` says whether torchao
+    or modeltap's emulation quantized it."""
     from pathlib import Path
 
     from modeltap.compare.replay import Options, compare_models
@@ -60,6 +66,7 @@ def compare(
         default = DEFAULT_PRESET[variant.kind]
         preset = preset or (default if default in preset_names() else "fp32")
         candidate = make_candidate(model, variant, shared=True)
+    goal = _check_bisect(candidate, bisect, target)
     tolerance, _ = from_preset(preset, atol=atol, rtol=rtol)
     accumulated = float(read_preset(preset).get(ACCUMULATED_KEY, 0.0)) if preset else 0.0
     options = Options(
@@ -67,6 +74,10 @@ def compare(
     )
     selection = Selection(depth=depth, include=tuple(include), exclude=tuple(exclude))
     modules = select_modules(model, selection)
+    if bisect:  # the replay measures each quantized Linear's own error, which ranks them
+        from modeltap.compare.forward_run import with_linears
+
+        modules = with_linears(model, candidate, modules)
     run_on = as_inputs(inputs, tokenizer=tokenizer)
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -77,9 +88,39 @@ def compare(
         with tempfile.TemporaryDirectory(prefix="modeltap-compare-") as work:
             report = compare_models(model, candidate, run_on, modules, work, options=options)
     report.preset = preset
+    quantized = _quantized(candidate)
+    if quantized is not None:
+        report.candidate = {**report.candidate, "quantization": quantized.engine}
+    if bisect:
+        from modeltap.compare.bisect import bisect as find
+
+        report.bisection = find(model, candidate, run_on, report, options, goal)
     if ops and report.origins:
         from modeltap.compare.ops import blame_ops
 
         origin = report.origins[0].name
         report.op_blame = blame_ops(model, candidate, run_on, origin, seed=seed)
     return report
+
+
+def _quantized(candidate: Any) -> Any:
+    from modeltap.compare.quantize import quantized
+
+    return quantized(candidate)
+
+
+def _check_bisect(candidate: Any, bisect: bool, target: str | None) -> Any:
+    """The parsed `target` (None without one); InputError for `target` without `bisect`, or
+    `bisect` without a quantized variant."""
+    from modeltap.compare.bisect import parse_target
+    from modeltap.errors import InputError
+
+    goal = parse_target(target) if target is not None else None
+    if goal is not None and not bisect:
+        raise InputError("target= sets what bisect aims for; add bisect=True")
+    if bisect and (isinstance(candidate, str) or _quantized(candidate) is None):
+        raise InputError(
+            "bisect=True keeps modules out of a quantized variant: give candidate='fp8', "
+            "'mxfp8', 'nvfp4', 'int8-weight' or 'int4-weight'"
+        )
+    return goal
