@@ -48,24 +48,14 @@ def compare(
     from pathlib import Path
 
     from modeltap.compare.replay import Options, compare_models
-    from modeltap.compare.variants import DEFAULT_PRESET, make_candidate, parse_against
-    from modeltap.config import preset_names, read_preset
+    from modeltap.config import read_preset
     from modeltap.config.files import ACCUMULATED_KEY
     from modeltap.diff.tolerance import from_preset
     from modeltap.dumping import as_inputs
-    from modeltap.errors import InputError
     from modeltap.selection import Selection, select_modules
 
     if isinstance(candidate, str):
-        variant = parse_against(candidate)
-        if variant.backend:
-            raise InputError(
-                f"'{candidate}' rebuilds the model's modules; run `modeltap compare "
-                f"--against {candidate}` for it"
-            )
-        default = DEFAULT_PRESET[variant.kind]
-        preset = preset or (default if default in preset_names() else "fp32")
-        candidate = make_candidate(model, variant, shared=True)
+        candidate, preset = _variant(model, candidate, preset)
     goal = _check_bisect(candidate, bisect, target)
     tolerance, _ = from_preset(preset, atol=atol, rtol=rtol)
     accumulated = float(read_preset(preset).get(ACCUMULATED_KEY, 0.0)) if preset else 0.0
@@ -101,6 +91,24 @@ def compare(
         origin = report.origins[0].name
         report.op_blame = blame_ops(model, candidate, run_on, origin, seed=seed)
     return report
+
+
+def _variant(model: nn.Module, name: str, preset: str | None) -> tuple[nn.Module, str | None]:
+    """The candidate `name` (as --against names it) makes of `model`, and the preset it is
+    judged by (`preset`, else the variant's)."""
+    from modeltap.compare.variants import DEFAULT_PRESET, make_candidate, parse_against
+    from modeltap.config import preset_names
+    from modeltap.errors import InputError
+
+    variant = parse_against(name)
+    if variant.backend:
+        raise InputError(
+            f"'{name}' rebuilds the model's modules; run `modeltap compare --against {name}` "
+            "for it"
+        )
+    default = DEFAULT_PRESET[variant.kind]
+    preset = preset or (default if default in preset_names() else "fp32")
+    return make_candidate(model, variant, shared=True), preset
 
 
 def _quantized(candidate: Any) -> Any:
