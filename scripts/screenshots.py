@@ -32,11 +32,12 @@ PROMPT = "hello world the quick"
 
 @dataclass(frozen=True)
 class Shot:
-    """One report page: the builder in render/report that draws it, and the commands that
-    write it (the last one writes `NAME.html`)."""
+    """One report page: the builder in render/report that draws it, the commands that write it
+    (the last one writes `NAME.html`), and the chart to scroll to, if not the top."""
 
     builder: str
     commands: tuple[str, ...]
+    chart: str | None = None
 
 
 PAGES = {
@@ -46,6 +47,15 @@ PAGES = {
             'modeltap dump models/all-MiniLM-L6-v2 "hello world" --hist -o minilm.safetensors',
             "modeltap report minilm.safetensors -o dump.html",
         ),
+    ),
+    "formats": Shot(
+        "dump_page",
+        (
+            'modeltap dump models/all-MiniLM-L6-v2 "The cat sat on the mat." '
+            "--depth 3 --formats fp8_e4m3,mxfp8,nvfp4,int8 --stats-only -o formats.safetensors",
+            "modeltap report formats.safetensors -o formats.html",
+        ),
+        chart="formats-sqnr",
     ),
     "diff": Shot(
         "diff_page",
@@ -109,6 +119,11 @@ def take(pages: dict[str, Path], out: Path) -> list[Path]:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         for name, html in pages.items():
             page = OpenPage(browser, html)
+            if PAGES[name].chart:  # its section's heading at the top of the window
+                page.page.evaluate(
+                    f"document.getElementById('{PAGES[name].chart}').scrollIntoView();"
+                    "window.scrollBy(0, -130)"
+                )
             if page.errors:
                 raise SystemExit(f"screenshots: {name}.html logged {page.errors}")
             page.page.wait_for_timeout(300)  # plotly's transitions
