@@ -42,6 +42,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -311,7 +312,8 @@ def _run_one(args: list[str], cwd: Path) -> tuple[list[str], int]:
     old = Path.cwd()
     os.chdir(cwd)
     try:
-        result = CliRunner().invoke(app, args[1:], env={"COLUMNS": "80"}, terminal_width=80)
+        with _library_logging():
+            result = CliRunner().invoke(app, args[1:], env={"COLUMNS": "80"}, terminal_width=80)
     finally:
         os.chdir(old)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
@@ -320,12 +322,26 @@ def _run_one(args: list[str], cwd: Path) -> tuple[list[str], int]:
     return [line.rstrip() for line in text.splitlines()], result.exit_code
 
 
+@contextlib.contextmanager
+def _library_logging() -> Iterator[None]:
+    """transformers' log as a process started fresh has it, around one example. Its handler holds
+    the stderr of the moment it is made: made here, not inside a command whose captured stderr is
+    closed after it; and a Trainer in a python block sets its verbosity for the whole process."""
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()  # makes the handler, on this process' stderr
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+
+
 def run_python(code: str, cwd: Path) -> str | None:
     """Run one ```python block in `cwd`, in globals of its own; the error it raised, if any."""
     old = Path.cwd()
     os.chdir(cwd)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), _library_logging():
             exec(compile(code, "<example>", "exec"), {"__name__": "__example__"})
     except Exception as exc:  # any error of the snippet is the finding
         return f"{type(exc).__name__}: {exc}"

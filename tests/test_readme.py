@@ -210,3 +210,16 @@ def test_head_keeps_a_commands_first_lines_and_python_runs_a_docs_example(tmp_pa
     out, problems = examples.regenerate(page, scratch)
     assert problems == ["`python hello.py`: 'stale' now 'made.txt'"]
     assert out == page.replace("stale", "made.txt") and (scratch / "made.txt").is_file()
+
+
+def test_a_python_block_leaves_transformers_log_as_it_found_it(tmp_path):
+    """A Trainer in a page's python block sets transformers' verbosity for the process; a later
+    page's command then printed transformers' warnings into its output (generate.md's Whisper
+    after README.md's Trainer, in one pytest process)."""
+    from transformers.utils import logging
+
+    examples = _examples()
+    before = logging.get_verbosity()
+    page = "```python\nfrom transformers.utils import logging\nlogging.set_verbosity_info()\n```\n"
+    assert examples.regenerate(page, tmp_path) == (page, [])
+    assert logging.get_verbosity() == before
