@@ -459,7 +459,7 @@ def main() -> int:
     chosen = [Path(a).resolve() for a in args if a != "--check"] or pages()
     failed = 0
     for page in chosen:
-        name = page.relative_to(ROOT)
+        name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
         new, problems = check_page(page)
         if check:
             for problem in problems:
