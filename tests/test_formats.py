@@ -385,3 +385,52 @@ def test_record_stores_the_figures_of_activations_and_gradients(tmp_path) -> Non
                 assert_figures(stats[key]["formats"][fmt], reference_figures(tensor, fmt))
     with pytest.raises(InputError, match="known formats"):
         modeltap.record(model, tmp_path / "bad", formats=["fp6"])
+
+
+# The paths `format_errors` takes (stats/formats.py): on the CPU, cache-sized chunks and amax
+# looked at; elsewhere one chunk, no wait, the formats' rows reduced together, torch's float8
+# casts. Each must give the reference's figures, whichever the tensor.
+def _extreme_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(32)
+    huge = torch.randn(4, 64, generator=g)
+    huge[1, 5] = 3e37  # squares past float32's range
+    return {
+        "tiny": torch.randn(3, 40, generator=g) * 1e-39,  # squares below float32's least
+        "small": torch.randn(5, 96, generator=g) * 1e-25,
+        "huge": huge,
+        "span": torch.randn(9, 45, generator=g) * 10.0 ** torch.empty(9, 45).uniform_(-38, 30),
+    }
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", list(_extreme_tensors()))
+def test_figures_of_extreme_magnitudes(fmt: str, kind: str) -> None:
+    x = _extreme_tensors()[kind]
+    assert_figures(format_error(x, fmt), reference_figures(x, fmt))
+
+
+@pytest.mark.parametrize("kind", ["random", "outliers", "subnormal", "nan", "zeros", "bf16", "far"])
+def test_the_device_path_gives_the_same_figures(monkeypatch, kind: str) -> None:
+    from modeltap.stats import formats
+
+    x = _tensors()[kind]
+    on_host = formats.format_errors(x, FORMATS)
+    monkeypatch.setattr(formats, "_on_host", lambda device: False)
+    on_device = formats.format_errors(x, FORMATS)
+    for fmt in FORMATS:
+        assert_figures(on_device[fmt], reference_figures(x, fmt))
+        assert_figures(on_device[fmt], on_host[fmt])
+        np.testing.assert_array_equal(formats.quantize(x, fmt).numpy(), reference(x, fmt)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_many_chunks_add_up_to_the_whole(monkeypatch, dtype) -> None:
+    from modeltap.stats import formats
+
+    monkeypatch.setattr(formats, "_PER_THREAD", 96)  # chunks of 96 values (or 192): 3 rows each
+    g = torch.Generator().manual_seed(33)
+    x = (torch.randn(40, 32, generator=g) * torch.logspace(-3, 3, 40)[:, None]).to(dtype)
+    x[7] = 0.0
+    got = formats.format_errors(x, FORMATS, finite=True)
+    for fmt in FORMATS:
+        assert_figures(got[fmt], reference_figures(x, fmt))

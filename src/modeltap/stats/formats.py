@@ -18,16 +18,22 @@ The recipes (docs/commands/dump.md states them for users):
 Every figure is over the finite values: NaN and +-Inf are left as they are by `quantize` and out
 of the amax, the norms and the shares. Values are quantized in float32 (a bfloat16 or float16
 tensor exactly; a float64 one rounded to float32 first), so a half-precision tensor is measured
-against its own values. Each format is one vectorized pass over the tensor (blocks are a reshape),
-no Python loop over elements.
+against its own values.
+
+How it is computed, since `dump --formats` runs it on every tensor: the values are taken in
+chunks that stay in the CPU's caches (one chunk per 2^24 values on other devices), each chunk
+read once for what the formats share (|x|, exponents, block maxima, zeros, norm); each format then
+costs a few in-place passes over one scratch buffer, and a float's rounding is the magic-number
+add and subtract (no division, no `round`). The partial sums of every chunk and format come to
+the host in one transfer.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 
@@ -50,7 +56,28 @@ _HALF_STEP = {E4M3_MAX: 16.0, E5M2_MAX: 4096.0, E2M1_MAX: 1.0}
 E4M3 = (3, -6, E4M3_MAX)
 E5M2 = (2, -14, E5M2_MAX)
 E2M1 = (1, 0, E2M1_MAX)
-_FP8 = {"fp8_e4m3": E4M3, "fp8_e5m2": E5M2}
+_BLOCKED = ("mxfp8", "mxfp4", "nvfp4", "int4")
+# torch's float8 casts round to nearest even as `round_float_` does (tests/test_formats.py)
+_CASTS = {E4M3: torch.float8_e4m3fn, E5M2: torch.float8_e5m2}
+
+# Values of a chunk per CPU thread: a chunk's few buffers stay in each core's cache from one pass
+# to the next (passes over a tensor of 3 MB and more ran at half the speed or less).
+_PER_THREAD = 1 << 17
+# The most values a chunk holds anywhere: counts are summed as float32 0/1 flags, exact below 2^24.
+_MOST = 1 << 24
+_EXPONENT = 0x7F800000  # a float32's exponent bits: as a float, 2^floor(log2 |v|) (0 if subnormal)
+
+
+def _on_host(device: torch.device) -> bool:
+    """Whether values on `device` are worked on as on the CPU: amax looked at (no device to
+    wait for), cache-sized chunks, each format reduced at once, roundings by arithmetic. Other
+    devices: no wait, one chunk, the formats' rows reduced together, torch's float8 casts."""
+    return device.type == "cpu"
+
+
+def _wide(device: torch.device) -> torch.dtype:
+    """The dtype sums are taken in: float64, but where a device lacks it (Apple's MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def check_formats(names: Iterable[str]) -> list[str]:
@@ -76,8 +103,13 @@ def quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
     clean = x32 if all_finite else torch.where(finite, x32, torch.zeros((), dtype=x32.dtype))
     if clean.numel() == 0:
         return clean.clone()
-    q, _, _ = _quantize(_Work(clean), name)
-    q = _unblock(q, clean).clone()
+    values = _Values(clean, [name])
+    q = torch.zeros(values.flat.numel(), dtype=torch.float32, device=clean.device)
+    if values.amax != 0:  # (None: on a device, not looked at)
+        for chunk in values.chunks():
+            rounded = _QUANTIZE[name](chunk, values, q[chunk.start : chunk.start + chunk.x.numel()])
+            rounded.values.mul_(rounded.scale)
+    q = values.unpad(q)
     return q if all_finite else torch.where(finite, q, x32)
 
 
@@ -90,7 +122,7 @@ def format_error(x: torch.Tensor, fmt: str) -> dict[str, float | None]:
 def format_errors(
     x: torch.Tensor, formats: Iterable[str], *, finite: bool | None = None
 ) -> dict[str, dict[str, float | None]]:
-    """The error figures of each format, x read into float32 once for all of them.
+    """The error figures of each format, x read in chunks once for all of them.
 
     rel_rmse = ||Q(x) - x|| / ||x||; sqnr_db = -20 log10(rel_rmse) (None when Q is exact);
     underflow = share of the non-zero values Q maps to zero; clipped = share of the non-zero values
@@ -99,23 +131,62 @@ def format_errors(
     knows x holds no NaN or Inf (its statistics counted them), which saves a pass.
     """
     names = check_formats(formats)
-    x32 = x.detach().float()
+    x = x.detach()
     if not finite:
-        mask = torch.isfinite(x32)
+        mask = torch.isfinite(x)
         if not bool(mask.all()):
-            x32 = torch.where(mask, x32, torch.zeros((), dtype=x32.dtype))
-    if x32.numel() == 0:
+            x = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    values = _Values(x, names) if x.numel() else None
+    if values is None or values.amax == 0:  # empty or all zeros: Q is exact
         return {name: _figures(0.0, 0.0, 0, 0, 0) for name in names}
-    work = _Work(x32)
-    count = x32.numel() - _zeros(work, x32)
-    norm = float(torch.linalg.vector_norm(x32))
+    sums = _Sums()
+    stacked = not _on_host(values.device)  # a row a format, reduced at once: fewer launches
+    # On the CPU each format's Q is reduced while in cache: its zeros counted before the last
+    # multiplication (which only a float32-subnormal amax could round to 0), and Q - x with it
+    fused = not stacked and values.amax is not None and values.amax >= 2.0**-100
+    for chunk in values.chunks():
+        sums.add(["zeros"], chunk.zeros(chunk.x))
+        sums.add(["norm"], chunk.squares(chunk.x))
+        rows = chunk.scratch("q", rows=len(names) if stacked else 1)
+        for i, name in enumerate(names):
+            rounded = _QUANTIZE[name](chunk, values, rows[i if stacked else 0])
+            if rounded.clipped is not None:
+                sums.add([(name, "clipped")], rounded.clipped.view(1))
+            if fused:
+                _reduce_rounded(chunk, rounded, name, sums)
+                continue
+            rounded.values.mul_(rounded.scale)
+            if not stacked:
+                _reduce(chunk, rows, [name], sums)
+        if stacked:
+            _reduce(chunk, rows, names, sums)
+    total = sums.totals()
+    zeros, norm = round(total["zeros"]), math.sqrt(total["norm"])
+    count = values.flat.numel() - zeros
     out: dict[str, dict[str, float | None]] = {}
     for name in names:
-        q, xs, clipped = _quantize(work, name)
-        under = _zeros(work, q) - (q.numel() - count)  # Q(0) is 0; padding counts as zeros
-        err = float(torch.linalg.vector_norm(q.sub_(xs)))
-        out[name] = _figures(err, norm, under, clipped, count)
+        under = round(total[name, "zeros"]) - zeros  # Q(0) is 0; padding counts as zeros
+        clipped = round(total.get((name, "clipped"), 0.0))
+        out[name] = _figures(math.sqrt(total[name, "error"]), norm, under, clipped, count)
     return out
+
+
+def _reduce(chunk: _Chunk, q: torch.Tensor, names: list[str], sums: _Sums) -> None:
+    """Each row's zeros and squared distance to the chunk's values (Q(x) - x in place)."""
+    sums.add([(name, "zeros") for name in names], chunk.zeros(q))
+    sums.add([(name, "error") for name in names], chunk.squares(q.sub_(chunk.x)))
+
+
+def _reduce_rounded(chunk: _Chunk, rounded: _Rounded, name: str, sums: _Sums) -> None:
+    """`_reduce` of one format's Q from `_Rounded`, its zeros counted before the product."""
+    values = rounded.values
+    sums.add([(name, "zeros")], chunk.zeros(values))
+    x = chunk.x.view(values.shape)
+    if rounded.exact:  # a power-of-two scale: x - values * scale in one pass, as exact
+        error = torch.addcmul(x, values, rounded.scale, value=-1, out=values)
+    else:  # else Q's own float32 rounding first (addcmul may fuse the two)
+        error = values.mul_(rounded.scale).sub_(x)
+    sums.add([(name, "error")], chunk.squares(error))
 
 
 def _figures(err: float, norm: float, under: int, clipped: int, count: int) -> dict[str, Any]:
@@ -128,177 +199,290 @@ def _figures(err: float, norm: float, under: int, clipped: int, count: int) -> d
     }
 
 
-class _Work:
-    """A tensor's float32 values and the buffers every format reuses: each pass over the values
-    writes into them in place (allocating a tensor-sized result costs more than computing it)."""
+class _Sums:
+    """Partial sums (squares and counts) as tensors on the device, brought to the host in one
+    transfer and added there in float64."""
 
-    def __init__(self, x: torch.Tensor) -> None:
-        self.x = x
-        self._blocks: dict[int, torch.Tensor] = {}
-        self._block_amax: dict[int, torch.Tensor] = {}
-        self._amax: float | None = None
+    def __init__(self) -> None:
+        self.keys: list[Any] = []
+        self.parts: list[torch.Tensor] = []
 
-    @property
-    def amax(self) -> float:
-        if self._amax is None:
-            self._amax = max(float(self.x.max()), -float(self.x.min()))
-        return self._amax
+    def add(self, keys: list[Any], part: torch.Tensor) -> None:
+        """`part`: one value a key, 1-D."""
+        self.keys.extend(keys)
+        self.parts.append(part)  # float32 or float64: cat widens them all
+
+    def totals(self) -> dict[Any, float]:
+        total: dict[Any, float] = {}
+        for key, value in zip(self.keys, torch.cat(self.parts).tolist(), strict=True):
+            total[key] = total.get(key, 0.0) + value
+        return total
+
+
+class _Values:
+    """A finite tensor laid out for the formats: flat, rows zero-padded to a multiple of 32 when
+    a block format is asked for, and its largest magnitude: on the CPU as a float too (one pass),
+    elsewhere only on the device (no wait for it)."""
+
+    def __init__(self, x: torch.Tensor, names: list[str]) -> None:
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            x = x.float()  # float64 rounded to float32 first, as the recipes say
+        self.shape, self.device = x.shape, x.device
+        self.last = x.shape[-1] if x.dim() else 1
+        rows = x.reshape(-1, self.last)
+        self.pad = -self.last % MX_BLOCK if any(n in _BLOCKED for n in names) else 0
+        if self.pad:
+            rows = torch.nn.functional.pad(rows, (0, self.pad))
+        self.flat = rows.reshape(-1)
+        self.amax: float | None = None
+        if _on_host(self.device):  # where aminmax is the fast pass, and looking costs no wait
+            lo, hi = torch.aminmax(self.flat)
+            self.amax = max(float(hi), -float(lo))
+            self.amax_t = torch.tensor(self.amax, dtype=torch.float32)
+        else:  # one reduction, no wait
+            self.amax_t = torch.linalg.vector_norm(self.flat, ord=math.inf).float()
+        self.nvfp4 = "nvfp4" in names
+        # squares summed in float64 where float32 ones could overflow or underflow (or on a
+        # device, where amax isn't looked at)
+        self.wide = self.amax is None or not 2.0**-40 <= self.amax <= 2.0**60
+        self._scales: dict[Any, tuple[torch.Tensor, bool]] = {}
+
+    def chunks(self) -> Iterator[_Chunk]:
+        per = _MOST
+        if _on_host(self.device):
+            per = min(_MOST, _PER_THREAD * max(1, torch.get_num_threads()))
+        total = self.flat.numel()
+        for start in range(0, total, per):
+            part = self.flat[start : start + per]
+            if part.dtype != torch.float32:
+                part = _buffer("x", part.numel(), torch.float32, part.device).copy_(part)
+            yield _Chunk(part, start, self.nvfp4, self.wide)
+
+    def scale(self, fmax: float) -> tuple[torch.Tensor, bool]:
+        """(s = amax / fmax, 1 where s is 0; whether x / s can exceed fmax: where s is subnormal,
+        and on a device, where amax isn't looked at. Else x / s <= fmax (1 + 2^-23) rounds to
+        fmax on any grid.)"""
+        if fmax not in self._scales:
+            s = self.amax_t / fmax
+            one = torch.ones((), dtype=torch.float32, device=self.device)
+            unsafe = self.amax is None or float(s) < 2.0**-126
+            self._scales[fmax] = (torch.where(s > 0, s, one), unsafe)
+        return self._scales[fmax]
+
+    def nvfp4_scale(self) -> torch.Tensor:
+        """nvfp4's per-tensor g = amax / (448 * 6) (1 where that is 0: all blocks then decode
+        to 0, as their E4M3 scales are 0)."""
+        if "nvfp4" not in self._scales:
+            g = self.amax_t / (E4M3_MAX * E2M1_MAX)
+            self._scales["nvfp4"] = (torch.where(g > 0, g, torch.ones_like(g)), False)
+        return self._scales["nvfp4"][0]
+
+    def unpad(self, q: torch.Tensor) -> torch.Tensor:
+        q = q.view(-1, self.last + self.pad)
+        return (q[:, : self.last] if self.pad else q).reshape(self.shape)
+
+
+class _Chunk:
+    """A chunk of the values (float32, whole blocks) and what several formats read from it."""
+
+    def __init__(self, x: torch.Tensor, start: int, nvfp4: bool, wide: bool) -> None:
+        self.x, self.start, self.nvfp4, self.wide = x, start, nvfp4, wide
+        self.n = x.numel()
+        self._abs: torch.Tensor | None = None
+        self._amax: dict[int, torch.Tensor] = {}
+        self._scratch: dict[Any, torch.Tensor] = {}
+
+    def scratch(
+        self, name: str, dtype: torch.dtype = torch.float32, rows: int | None = None
+    ) -> torch.Tensor:
+        """A reused buffer the size of the chunk (`rows` of it: shaped (rows, chunk))."""
+        key = (name, rows)
+        if key not in self._scratch:
+            buffer = _buffer(name, (rows or 1) * self.n, dtype, self.x.device)
+            self._scratch[key] = buffer if rows is None else buffer.view(rows, self.n)
+        return self._scratch[key]
+
+    def abs(self) -> torch.Tensor:
+        if self._abs is None:
+            self._abs = torch.abs(self.x, out=self.scratch("abs"))
+        return self._abs
 
     def block_amax(self, size: int) -> torch.Tensor:
-        if size not in self._block_amax:
-            self._block_amax[size] = _amax(self.blocks(size))
-        return self._block_amax[size]
+        """The largest magnitude of each block of `size`, shaped (blocks, 1)."""
+        if size not in self._amax:
+            if size == MX_BLOCK and self.nvfp4:  # two blocks of 16 make one of 32
+                amax = self.block_amax(NV_BLOCK).view(-1, 2).amax(-1)
+            elif size == NV_BLOCK:  # a pooling, where amax over rows of 16 is slow on CPU
+                amax = torch.nn.functional.max_pool1d(self.abs().view(1, -1), size, size)
+            else:
+                amax = self.abs().view(-1, size).amax(-1)
+            self._amax[size] = amax.view(-1, 1)
+        return self._amax[size]
 
-    def blocks(self, size: int) -> torch.Tensor:
-        """x as rows of `size` along its last dimension (the last block zero-padded)."""
-        if size not in self._blocks:
-            self._blocks[size] = _blocks(self.x, size)
-        return self._blocks[size]
+    def zeros(self, v: torch.Tensor) -> torch.Tensor:
+        """How many of v (of each row of v) are 0, 1-D: a float32 sum of 0/1 flags, which is
+        faster than count_nonzero on the CPU."""
+        rows = v.numel() // self.n
+        if rows == 1:
+            return torch.eq(v, 0, out=self.flags().view(v.shape)).sum().view(1)
+        return torch.eq(v, 0, out=self.scratch("flags", rows=rows)).sum(-1)
 
-    def values(self, like: torch.Tensor) -> torch.Tensor:
-        return self._buffer("_values", like, torch.float32)
+    def squares(self, v: torch.Tensor) -> torch.Tensor:
+        """The sum of squares of v (of each row of a 2-D v), 1-D: in float32 (a dot product,
+        the fastest on the CPU) where they can't overflow, else in float64."""
+        if not self.wide and v.numel() == self.n:
+            flat = v.view(-1)
+            return torch.dot(flat, flat).view(1)
+        rows = v.view(-1, self.n)
+        return torch.linalg.vector_norm(rows, dim=-1, dtype=_wide(v.device)).square_()
 
-    def bits(self, like: torch.Tensor) -> torch.Tensor:
-        return self._buffer("_bits", like, torch.int32)
+    def bits(self) -> torch.Tensor:
+        """An int32 buffer of the chunk's size, for the rounding."""
+        return self.scratch("bits", torch.int32)
 
-    def flags(self, like: torch.Tensor) -> torch.Tensor:
-        return self._buffer("_flags", like, torch.bool)
+    def flags(self) -> torch.Tensor:
+        """A float32 buffer of the chunk's size: the rounding's int32 one (free between uses),
+        one buffer less in the cache."""
+        return self.bits().view(torch.float32)
 
-    def _buffer(self, name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        # Kept per thread and device from one tensor to the next: a fresh tensor-sized buffer
-        # costs its page faults every time.
-        key = (name, like.device)
-        buffers = _BUFFERS.__dict__.setdefault("buffers", {})
-        buffer = buffers.get(key)
-        if buffer is None or buffer.numel() < like.numel():
-            buffer = torch.empty(like.numel(), dtype=dtype, device=like.device)
-            buffers[key] = buffer
-        return buffer[: like.numel()].view(like.shape)
+    def over(self, amax: torch.Tensor, limit: torch.Tensor, *, rare: bool) -> torch.Tensor | None:
+        """How many values of the chunk exceed their block's `limit` in magnitude. `rare`: first
+        look at the blocks' maxima (on the CPU, where that costs no wait) for a block that does:
+        None where none does."""
+        if rare and _on_host(self.x.device) and not bool((amax > limit).any()):
+            return None
+        flags = self.flags().view(amax.shape[0], -1)
+        return torch.gt(self.abs().view(flags.shape), limit, out=flags).sum()
+
+
+def _buffer(name: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Kept per thread and device from one chunk and tensor to the next: a fresh buffer costs its
+    # page faults every time.
+    buffers = _BUFFERS.__dict__.setdefault("buffers", {})
+    key = (name, dtype, device)
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < n:
+        buffer = torch.empty(n, dtype=dtype, device=device)
+        buffers[key] = buffer
+    return buffer[:n]
 
 
 _BUFFERS = threading.local()
 
 
-def _zeros(work: _Work, v: torch.Tensor) -> int:
-    # Summed as bytes into int32 where that can't overflow: a bool tensor's sum first copies it
-    # to int64, and a byte sum into int64 is slower still.
-    wide = torch.int64 if v.numel() >= 1 << 31 else torch.int32
-    return int(torch.eq(v, 0, out=work.flags(v)).view(torch.uint8).sum(dtype=wide))
-
-
-def _quantize(work: _Work, fmt: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(Q(x) in a work buffer, x in the same layout, how many values saturated) for a finite,
-    non-empty float32 x; a block format's layout is its blocks (`_unblock` gives x's shape)."""
-    x = work.x
-    if fmt in _FP8:
-        element = _FP8[fmt]
-        return _per_tensor(work, element[2], lambda v: round_float_(v, element, work)), x, 0
-    if fmt == "int8":
-        return _per_tensor(work, 127.0, torch.Tensor.round_), x, 0
-    blocks = work.blocks(NV_BLOCK if fmt == "nvfp4" else MX_BLOCK)
-    if fmt == "int4":
-        scale = work.block_amax(MX_BLOCK) / 7.0
-        return _scaled(work, blocks, scale, 7.0, torch.Tensor.round_), blocks, 0
-    if fmt == "nvfp4":
-        q, clipped = _nvfp4(work, blocks)
-        return q, blocks, clipped
-    q, clipped = _mx(work, blocks, 8 if fmt == "mxfp8" else 2, E4M3 if fmt == "mxfp8" else E2M1)
-    return q, blocks, clipped
-
-
 def round_float_(
-    v: torch.Tensor, element: tuple[int, int, float], work: _Work | None = None
+    v: torch.Tensor, element: tuple[int, int, float], bits: torch.Tensor | None = None
 ) -> torch.Tensor:
     """v (float32, within the element type's range) rounded in place to nearest even on the grid
     of a float type with `mantissa` bits and smallest normal exponent `emin`.
 
-    The grid's step at v is 2^(max(exponent of v, emin) - mantissa), read from v's exponent bits;
-    v / step is exact (a power of two), and rounding it half to even picks the even mantissa.
+    The grid's step at v is 2^(max(exponent of v, emin) - mantissa), read from v's exponent bits.
+    Adding C = 1.5 * 2^23 * step lands v + C where float32's own step is the grid's, so the
+    addition rounds v half to even on the grid, and subtracting C again is exact. (`bits`: an
+    int32 scratch tensor of v's size.)
     """
     mantissa, emin, _ = element
-    out = torch.empty(v.shape, dtype=torch.int32, device=v.device) if work is None else work.bits(v)
-    bits = torch.bitwise_and(v.view(torch.int32), 0x7F800000, out=out)
-    step = bits.clamp_(min=(emin + 127) << 23).sub_(mantissa << 23).view(torch.float32)
-    return v.div_(step).round_().mul_(step)
+    if not _on_host(v.device) and element in _CASTS:  # a device's cast is cheaper: the same bits
+        return v.copy_(v.to(_CASTS[element]))
+    out = torch.empty_like(v, dtype=torch.int32) if bits is None else bits
+    step = torch.bitwise_and(v.view(torch.int32), _EXPONENT, out=out).view(torch.float32)
+    step.clamp_(min=2.0**emin)
+    magic = 1.5 * 2.0 ** (23 - mantissa)
+    return v.add_(step, alpha=magic).sub_(step, alpha=magic)
 
 
-def round_e2m1(v: torch.Tensor) -> torch.Tensor:
-    """v (within +-6) rounded to nearest even on the E2M1 grid 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
-    return round_float_(v.float().clone(), E2M1)
+class _Rounded(NamedTuple):
+    """A format's Q(x) but for its last multiplication: `values` (the chunk's work buffer, shaped
+    as `scale` broadcasts over it) times `scale`; how many values clipped (None: none)."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    clipped: torch.Tensor | None = None
+    exact: bool = False  # the scale is a power of two: values * scale rounds nothing
 
 
-def _per_tensor(work: _Work, fmax: float, cast: Any) -> torch.Tensor:
-    x, amax = work.x, work.amax
-    if amax == 0:
-        return work.values(x).zero_()
-    scale = torch.tensor(amax, dtype=torch.float32) / fmax  # the float32 scale the recipe stores
-    return _scaled(work, x, scale.to(x.device), fmax, cast)
+def _per_tensor(element: tuple[int, int, float] | None, fmax: float) -> _Quantizer:
+    """fp8 (a float `element`) or int8 (None): x / s rounded and saturated."""
+
+    def run(chunk: _Chunk, values: _Values, out: torch.Tensor) -> _Rounded:
+        scale, unsafe = values.scale(fmax)
+        v = torch.div(chunk.x, scale, out=out)
+        if unsafe:
+            v.clamp_(-fmax, fmax)
+        if element is None:
+            v.round_()
+        else:
+            round_float_(v, element, chunk.bits())
+        return _Rounded(v, scale)
+
+    return run
+
+
+def _mx(emax: int, element: tuple[int, int, float]) -> _Quantizer:
+    """OCP MX: the shared E8M0 scale 2^(floor(log2 amax) - emax), then the elements rounded."""
+
+    def run(chunk: _Chunk, values: _Values, out: torch.Tensor) -> _Rounded:
+        # 2^(floor(log2 amax) - emax) from amax's exponent bits, at least 2^-127 (E8M0's least);
+        # an all-zero block gets 2^-127 too, which leaves its zeros zero
+        amax = chunk.block_amax(MX_BLOCK)
+        bits = torch.bitwise_and(amax.view(torch.int32), _EXPONENT)
+        scale = bits.view(torch.float32).mul_(2.0**-emax).clamp_(min=2.0**-127)
+        fmax = element[2]
+        # x * 2^-k is x / 2^k to the bit, and the cheaper pass
+        v = _scaled(chunk, MX_BLOCK, out, torch.reciprocal(scale), fmax, element)
+        clipped = chunk.over(amax, scale * (fmax + _HALF_STEP[fmax]), rare=False)  # clips often
+        return _Rounded(v, scale, clipped, exact=True)
+
+    return run
+
+
+def _nvfp4(chunk: _Chunk, values: _Values, out: torch.Tensor) -> _Rounded:
+    g = values.nvfp4_scale()
+    amax = chunk.block_amax(NV_BLOCK)
+    scale = round_float_((amax / (E2M1_MAX * g)).clamp_(max=E4M3_MAX), E4M3).mul_(g)
+    # an E4M3 scale of 0 decodes its block to 0: x / inf is 0, and 0 * 0 too
+    v = _scaled(
+        chunk, NV_BLOCK, out, torch.where(scale > 0, scale, math.inf), E2M1_MAX, E2M1, divide=True
+    )
+    # such a block's values count as clipped beyond 7 unscaled, as the recipe's x / 1 would
+    limit = torch.where(scale > 0, scale, 1.0).mul_(E2M1_MAX + _HALF_STEP[E2M1_MAX])
+    return _Rounded(v, scale, chunk.over(amax, limit, rare=True))
+
+
+def _int4(chunk: _Chunk, values: _Values, out: torch.Tensor) -> _Rounded:
+    scale = chunk.block_amax(INT4_GROUP) / 7.0  # 0 only for an all-zero group: x / 1 is 0
+    safe = torch.where(scale > 0, scale, 1.0)
+    return _Rounded(_scaled(chunk, INT4_GROUP, out, safe, 7.0, None, divide=True), scale)
 
 
 def _scaled(
-    work: _Work, x: torch.Tensor, scale: torch.Tensor, fmax: float, cast: Any
+    chunk: _Chunk,
+    size: int,
+    out: torch.Tensor,
+    by: torch.Tensor,
+    fmax: float,
+    element: tuple[int, int, float] | None,
+    *,
+    divide: bool = False,
 ) -> torch.Tensor:
-    """cast(x / scale) * scale, saturated at +-fmax, in the work buffer; a zero scale (an
-    all-zero block) leaves zeros."""
-    safe = torch.where(scale > 0, scale, torch.ones((), dtype=scale.dtype, device=scale.device))
-    v = torch.div(x, safe, out=work.values(x))
-    return cast(v.clamp_(-fmax, fmax)).mul_(safe)
+    """The chunk's blocks of `size` times `by` (divided by `by` where `divide`), saturated at
+    +-fmax and rounded (to integers where `element` is None), in `out` shaped as the blocks."""
+    blocks = chunk.x.view(-1, size)
+    v = out.view(blocks.shape)
+    (torch.div if divide else torch.mul)(blocks, by, out=v)
+    v.clamp_(-fmax, fmax)
+    if element is None:
+        return v.round_()
+    return round_float_(v, element, chunk.bits().view(v.shape))
 
 
-def _amax(blocks: torch.Tensor) -> torch.Tensor:
-    return torch.maximum(blocks.amax(dim=-1, keepdim=True), -blocks.amin(dim=-1, keepdim=True))
-
-
-def _blocks(x: torch.Tensor, size: int) -> torch.Tensor:
-    last = x.shape[-1] if x.dim() else 1
-    rows = x.reshape(-1, last)
-    pad = -last % size
-    if pad:
-        rows = torch.nn.functional.pad(rows, (0, pad))
-    return rows.reshape(-1, size)
-
-
-def _unblock(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """q, in x's layout or in blocks of x (`_blocks`), shaped as x."""
-    if q.shape == x.shape:
-        return q
-    last = x.shape[-1] if x.dim() else 1
-    q = q.reshape(-1, last + (-last % q.shape[-1]))
-    return (q[:, :last] if q.shape[1] != last else q).reshape(x.shape)
-
-
-def _clipped(blocks: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, fmax: float) -> int:
-    """Values beyond fmax + half a step after scaling: looked for only in the blocks whose
-    largest value is."""
-    limit = fmax + _HALF_STEP[fmax]
-    over = (amax > limit * scale).reshape(-1)
-    if not bool(over.any()):
-        return 0
-    return int(torch.count_nonzero(blocks[over].abs() > limit * scale[over]))
-
-
-def _mx(
-    work: _Work, blocks: torch.Tensor, emax: int, element: tuple[int, int, float]
-) -> tuple[torch.Tensor, int]:
-    """OCP MX: the shared E8M0 scale 2^(floor(log2 amax) - emax), then the elements rounded."""
-    amax = work.block_amax(blocks.shape[-1])
-    _, exp = torch.frexp(amax)  # amax = m * 2^exp with m in [0.5, 1): floor(log2 amax) = exp - 1
-    shared = (exp - 1 - emax).clamp(-127, 127)
-    scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), shared), 0.0)
-    fmax = element[2]
-    q = _scaled(work, blocks, scale, fmax, lambda v: round_float_(v, element, work))
-    return q, _clipped(blocks, amax, scale, fmax)
-
-
-def _nvfp4(work: _Work, blocks: torch.Tensor) -> tuple[torch.Tensor, int]:
-    x, amax = work.x, work.amax
-    if amax == 0:
-        return work.values(blocks).zero_(), 0
-    g = (torch.tensor(amax, dtype=torch.float32) / (E4M3_MAX * E2M1_MAX)).to(x.device)
-    block_amax = work.block_amax(NV_BLOCK)
-    block_scale = round_float_((block_amax / (E2M1_MAX * g)).clamp_(max=E4M3_MAX), E4M3)
-    scale = block_scale * g
-    q = _scaled(work, blocks, scale, E2M1_MAX, lambda v: round_float_(v, E2M1, work))
-    if not bool((scale > 0).all()):  # an E4M3 scale of 0 (a block far below amax) decodes to 0
-        q.mul_(scale > 0)
-    return q, _clipped(blocks, block_amax, scale, E2M1_MAX)
+_Quantizer = Callable[[_Chunk, _Values, torch.Tensor], _Rounded]
+_QUANTIZE: dict[str, _Quantizer] = {
+    "fp8_e4m3": _per_tensor(E4M3, E4M3_MAX),
+    "fp8_e5m2": _per_tensor(E5M2, E5M2_MAX),
+    "mxfp8": _mx(8, E4M3),
+    "mxfp4": _mx(2, E2M1),
+    "nvfp4": _nvfp4,
+    "int8": _per_tensor(None, 127.0),
+    "int4": _int4,
+}
