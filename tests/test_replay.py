@@ -5,8 +5,10 @@ with the activation an nn.GELU module)."""
 
 from __future__ import annotations
 
+import html
 import inspect
 import json
+import re
 
 import pytest
 import torch
@@ -101,14 +103,16 @@ def _cancelling_intermediate(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return self.intermediate_act_fn(back)
 
 
-def test_the_cli_names_the_block_and_the_line_in_a_transformers_model(bert_dir, monkeypatch):
+def test_the_cli_names_the_block_and_the_line_in_a_transformers_model(
+    bert_dir, monkeypatch, tmp_path
+):
     """BertIntermediate with the cancellation between its Linear and its GELUActivation module:
-    `compare --against bf16 --ops` names an intermediate and the line, in text and JSON."""
+    `compare --against bf16 --ops` names an intermediate and the line, in text, JSON and HTML."""
     from transformers.models.bert import modeling_bert
 
     monkeypatch.setattr(modeling_bert.BertIntermediate, "forward", _cancelling_intermediate)
     args = ["compare", str(bert_dir), "hello world", "--against", "bf16", "--ops"]
-    r = runner.invoke(app, [*args, "--json"])
+    r = runner.invoke(app, [*args, "--json", "--html", str(tmp_path / "c.html")])
     assert r.exit_code == 1, r.output
     report = json.loads(r.stdout)
     origin = report["origins"][0]["module"]
@@ -119,3 +123,14 @@ def test_the_cli_names_the_block_and_the_line_in_a_transformers_model(bert_dir, 
     assert ops["path"] == f"{origin} > op02.sub"
     text = " ".join(runner.invoke(app, args).output.split())
     assert f"op: {origin} > op02.sub" in text and f"at {ops['op']['source']}" in text
+
+    page = (tmp_path / "c.html").read_text()
+    assert html.escape(f"{origin} > op02.sub at {ops['op']['source']}") in page  # the summary
+    assert f"Ops inside {origin}" in page
+    ops_table = page.split(f"Ops inside {origin}")[1].split("</table>")[0]
+    rows = re.findall(r'<tr class="([^"]*)">(.*?)</tr>', ops_table, re.S)
+    cells = [re.findall(r"<td>(.*?)</td>", row) for _, row in rows]
+    assert [c[0] for c in cells] == [o["key"].rpartition("/")[2] for o in ops["ops"]]
+    assert [c[2] for c in cells] == [html.escape(o["source"]) for o in ops["ops"]]
+    assert [cls for cls, _ in rows].count("bad") == 1
+    assert cells[[cls for cls, _ in rows].index("bad")][0] == "op02.sub"

@@ -181,6 +181,9 @@ def compare_page(data: dict[str, Any], *, command: str = "") -> Page:
         ("first divergence", str(data.get("first_divergence") or "none"), ""),
         ("modules", str(len(modules)), ""),
     ]
+    worst_op = (data.get("ops") or {}).get("op")
+    if worst_op:  # --ops: the op inside the worst origin
+        page.summary.insert(5, ("op", f"{data['ops']['path']} at {worst_op['source']}", "bad"))
     x = [m["module"] for m in modules]
     local = [positive(m.get("local_error")) for m in modules]
     cumulative = [positive(m.get("cumulative_error")) for m in modules]
@@ -209,9 +212,10 @@ def compare_page(data: dict[str, Any], *, command: str = "") -> Page:
     )}  # fmt: skip
     page.sections.append(Section(
         "charts", "Introduced or inherited", charts=["compare-errors"],
-        note="Local error: the module replayed on the reference's inputs with its selected "
-        "children short-circuited to the reference's outputs. Cumulative error: its output in the "
-        "full candidate run. A star marks an origin (local error out of tolerance).",
+        note="Local error: the module replayed on the reference's inputs, each selected child "
+        "returning the reference child's output on what the replay hands it. Cumulative error: "
+        "its output in the full candidate run. A star marks an origin (local error out of "
+        "tolerance).",
     ))  # fmt: skip
     page.sections.append(Section(
         "tree", "Module tree, coloured by local error", columns=TREE_COLUMNS,
@@ -221,6 +225,8 @@ def compare_page(data: dict[str, Any], *, command: str = "") -> Page:
     ))  # fmt: skip
     if data.get("bisect"):
         _bisect_sections(page, data["bisect"])
+    if data.get("ops"):
+        _ops_section(page, data["ops"])
     notes = []
     replay = data.get("replay", {})
     if replay.get("note"):
@@ -234,6 +240,21 @@ def compare_page(data: dict[str, Any], *, command: str = "") -> Page:
     if notes:
         page.sections.append(Section("notes", "Replay notes", items=notes))
     return page
+
+
+def _ops_section(page: Page, found: dict[str, Any]) -> None:
+    """`compare --ops`: every op of the worst origin with the error it introduces, worst marked."""
+    worst = (found.get("op") or {}).get("key")
+    rows = [{"class": "bad" if op["key"] == worst else "", "cells": [
+        op["key"].rpartition("/")[2], op["op"], op.get("source") or "", fmt(op.get("error")),
+        op.get("note") or "",
+    ]} for op in found.get("ops", [])]  # fmt: skip
+    page.sections.append(Section(
+        "table", f"Ops inside {found.get('module')}", rows=rows,
+        columns=["op", "torch function", "source line", "relative error", "note"],
+        note="Each op run alone in the candidate's dtype and device from the reference's inputs "
+        "to it: its error (L2, |candidate − reference| / |reference|) is its own.",
+    ))  # fmt: skip
 
 
 def _bisect_sections(page: Page, found: dict[str, Any]) -> None:
