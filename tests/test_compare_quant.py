@@ -203,7 +203,7 @@ def test_minilm_int8_weight_through_the_cli(tmp_path: Path) -> None:
         int(torch.tensor(_shape(n)).prod()) for n in found["modules_to_not_convert"]
     )
     page = html.read_text()
-    assert "compare-bisect" in page
+    assert "compare-bisect" in page and found["output_error_measure"] in page
     assert all(name in page for name in found["modules_to_not_convert"])
 
 

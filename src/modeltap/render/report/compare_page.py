@@ -267,7 +267,8 @@ def _bisect_sections(page: Page, found: dict[str, Any]) -> None:
         "marker": {"color": [OKABE_ITO[2] if s["passed"] else OKABE_ITO[5] for s in curve]},
     }], "layout": layout(
         "Output error with the first k modules kept in high precision",
-        "modules kept (largest local error first)", "max |a−b| / max |b| (log scale)",
+        "modules kept (largest local error first)",
+        f"{found.get('output_error_measure', 'max |a - b| / max |b|')} (log scale)",
         log_y=True, height=340,
     )}  # fmt: skip
     kept = found.get("modules_to_not_convert", [])
@@ -276,7 +277,8 @@ def _bisect_sections(page: Page, found: dict[str, Any]) -> None:
         "charts", "Fewest modules to keep in high precision", charts=["compare-bisect"],
         note=f"{len(kept)} module(s), {found.get('kept_share', 0):.2%} of the weights "
         f"{found.get('variant')} quantizes ({found.get('engine')}); the output {verdict} with "
-        f"them kept, error {fmt(found.get('output_error'))}. Green: within tolerance.",
+        f"them kept, error {fmt(found.get('output_error'))}. Green: within "
+        f"{'--target ' + found['target'] if found.get('target') else 'tolerance'}.",
     ))  # fmt: skip
     page.sections.append(Section(
         "notes", "modules_to_not_convert", items=kept or ["nothing needs keeping"]
