@@ -201,7 +201,7 @@ def _figures(err: float, norm: float, under: int, clipped: int, count: int) -> d
 
 class _Sums:
     """Partial sums (squares and counts) as tensors on the device, brought to the host in one
-    transfer and added there in float64."""
+    transfer and added there in float64. A negative part is minus a norm: its square counts."""
 
     def __init__(self) -> None:
         self.keys: list[Any] = []
@@ -215,7 +215,7 @@ class _Sums:
     def totals(self) -> dict[Any, float]:
         total: dict[Any, float] = {}
         for key, value in zip(self.keys, torch.cat(self.parts).tolist(), strict=True):
-            total[key] = total.get(key, 0.0) + value
+            total[key] = total.get(key, 0.0) + (value * value if value < 0 else value)
         return total
 
 
@@ -264,9 +264,8 @@ class _Values:
         fmax on any grid.)"""
         if fmax not in self._scales:
             s = self.amax_t / fmax
-            one = torch.ones((), dtype=torch.float32, device=self.device)
             unsafe = self.amax is None or float(s) < 2.0**-126
-            self._scales[fmax] = (torch.where(s > 0, s, one), unsafe)
+            self._scales[fmax] = (torch.where(s > 0, s, 1.0), unsafe)
         return self._scales[fmax]
 
     def nvfp4_scale(self) -> torch.Tensor:
@@ -274,7 +273,7 @@ class _Values:
         to 0, as their E4M3 scales are 0)."""
         if "nvfp4" not in self._scales:
             g = self.amax_t / (E4M3_MAX * E2M1_MAX)
-            self._scales["nvfp4"] = (torch.where(g > 0, g, torch.ones_like(g)), False)
+            self._scales["nvfp4"] = (torch.where(g > 0, g, 1.0), False)
         return self._scales["nvfp4"][0]
 
     def unpad(self, q: torch.Tensor) -> torch.Tensor:
@@ -329,12 +328,13 @@ class _Chunk:
 
     def squares(self, v: torch.Tensor) -> torch.Tensor:
         """The sum of squares of v (of each row of a 2-D v), 1-D: in float32 (a dot product,
-        the fastest on the CPU) where they can't overflow, else in float64."""
+        the fastest on the CPU) where they can't overflow, else in float64 as minus the norm
+        (squared on the host, `_Sums`: a launch less)."""
         if not self.wide and v.numel() == self.n:
             flat = v.view(-1)
             return torch.dot(flat, flat).view(1)
         rows = v.view(-1, self.n)
-        return torch.linalg.vector_norm(rows, dim=-1, dtype=_wide(v.device)).square_()
+        return torch.linalg.vector_norm(rows, dim=-1, dtype=_wide(v.device)).neg_()
 
     def bits(self) -> torch.Tensor:
         """An int32 buffer of the chunk's size, for the rounding."""

@@ -81,7 +81,7 @@ def begin_stats(
             done = cpu_stats(x, base, **options)
         return PendingStats(base, done=with_formats(done, x, formats))
     pending = device_stats(x, base, **options)
-    if formats and x.is_floating_point():  # on the device; a few syncs a format
+    if formats and x.is_floating_point():  # on the device: one transfer for all formats
         pending.formats = format_figures(x, formats)
     return pending
 
