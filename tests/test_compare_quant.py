@@ -482,3 +482,10 @@ def test_the_verb_refuses_a_bisect_it_cannot_do(kwargs: dict, message: str) -> N
     candidate = kwargs.pop("candidate")
     with pytest.raises(InputError, match=message):
         modeltap.compare(model, candidate, batch, **kwargs)
+
+
+def test_compare_help_says_what_target_takes() -> None:
+    result = CliRunner().invoke(app, ["compare", "--help"], terminal_width=200)
+    line = next(x for x in result.stdout.splitlines() if "--target" in x)
+    assert "METRIC=VALUE" in line and "What --bisect aims for" in line
+    assert "int4-weight" in result.stdout.split("--preset", 1)[1].split("--atol")[0]

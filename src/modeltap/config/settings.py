@@ -141,6 +141,10 @@ class Settings:
                 "own code calls: the op's output (module/opNN.name) and the gradient with "
                 "respect to it (grad/module/opNN.name), with its source line."
             },
+            "generate": {
+                "help": "Also capture, at each decoding step, every torch function each selected "
+                "module's own code calls (gen/stepK/module/opNN.name), with its source line."
+            },
             "compare": {
                 "help": "Inside the module that introduces the largest error, run its ops one "
                 "by one in the variant from the reference's inputs and name the op (and source "
@@ -305,14 +309,15 @@ class Settings:
     # compare's tolerance defaults to a preset chosen by the variant
     preset: str | None = option(
         help="Tolerance preset shipped with modeltap: exact, fp32, tf32, bf16, fp16, compile, "
-        "cross-device (a tolerances.toml in $MODELTAP_CONFIGS or ./configs replaces them).",
+        "cross-device, and fp8, mxfp8, nvfp4, int8-weight, int4-weight (a tolerances.toml in "
+        "$MODELTAP_CONFIGS or ./configs replaces them).",
         metavar="NAME",
         panel=TOL,
         variants={
             "compare": {
                 "help": "Tolerance preset (modeltap's own, or a configs/tolerances.toml of yours) "
                 "[default: bf16 or fp16 for those variants, cross-device for cuda, compile for "
-                "compile, else fp32]."
+                "compile, a quantized variant's own (fp8 ... int4-weight), else fp32]."
             }
         },
     )
@@ -359,6 +364,15 @@ class Settings:
         help="Module (or module:part) whose output is differentiated.",
         panel=GRADIENTS,
         metavar="MODULE",
+        variants={  # compare: what --bisect aims for (compare.bisect.parse_target reads it)
+            "compare": {
+                "help": "What --bisect aims for instead of the preset: the output's rel_rmse "
+                "(||a - b|| / ||b||) at most X, rel_rmse=X, or its SQNR at least DB decibels, "
+                "sqnr=DB.",
+                "metavar": "METRIC=VALUE",
+                "panel": "Variant",
+            }
+        },
     )
     wrt: list[str] = option(
         factory=list,
