@@ -150,7 +150,7 @@ def stack_source(trace: str | None) -> str:
 
     import modeltap
 
-    roots = [os.path.dirname(m.__file__ or "") + os.sep for m in (torch, modeltap)]
+    roots = [os.path.join(m.__path__[0], "") for m in (torch, modeltap)]  # the packages' folders
     module_code = ""
     for path, line in reversed(_FRAME.findall(trace or "")):
         if not any(path.startswith(root) for root in roots):
