@@ -32,7 +32,8 @@ from modeltap.errors import InputError
 from modeltap.loading import Inputs
 from modeltap.stats.formats import quantize
 from tests.fixtures.architectures import gpt2, llama, t5, vit
-from tests.test_formats import _tensors, reference
+from tests.fixtures.quant_reference import reference
+from tests.fixtures.quant_reference import sample_tensors as _tensors
 
 MINILM = Path(__file__).resolve().parents[1] / "models" / "all-MiniLM-L6-v2"
 # --against NAME: the weights' format and the inputs' (None: weights only), from the issue

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from modeltap.cli import app
 from modeltap.render.tree import FORMAT_BAD_DB, FORMAT_WARN_DB
 from tests.fixtures.format_runs import FORMATS, spiked_pair, spiked_run
-from tests.test_formats import assert_figures, reference_figures
+from tests.fixtures.quant_reference import assert_figures, reference_figures
 
 runner = CliRunner()
 

@@ -1,11 +1,9 @@
 """The low-precision what-if figures (`--formats`) against references written from the formats'
-specifications here: each element type's grid enumerated from its bit layout, round-to-nearest-even
-on that grid in numpy, the scales of each recipe in float32 numpy arithmetic."""
+specifications (tests/fixtures/quant_reference.py)."""
 
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -15,145 +13,14 @@ from modeltap.errors import InputError
 from modeltap.stats.formats import E4M3 as E4M3_T
 from modeltap.stats.formats import E5M2 as E5M2_T
 from modeltap.stats.formats import FORMATS, check_formats, format_error, quantize, round_float_
-
-
-def _grid(exp_bits: int, man_bits: int, bias: int, fmax: float) -> np.ndarray:
-    """The non-negative values of a float format, in encoding order, up to fmax (no inf/NaN)."""
-    values = []
-    for e in range(2**exp_bits):
-        for m in range(2**man_bits):
-            if e == 0:
-                v = (m / 2**man_bits) * 2.0 ** (1 - bias)
-            else:
-                v = (1 + m / 2**man_bits) * 2.0 ** (e - bias)
-            if v <= fmax:
-                values.append(v)
-    return np.array(values, dtype=np.float64)
-
-
-E4M3 = _grid(4, 3, 7, 448.0)
-E5M2 = _grid(5, 2, 15, 57344.0)
-E2M1 = _grid(2, 1, 1, 6.0)
-
-
-def _round_grid(v: np.ndarray, grid: np.ndarray) -> np.ndarray:
-    """Nearest grid value of |v| (ties to the even encoding), saturated to the largest, signed."""
-    a = np.minimum(np.abs(v).astype(np.float64), grid[-1])
-    hi = np.clip(np.searchsorted(grid, a), 1, len(grid) - 1)
-    lo = hi - 1
-    d_lo, d_hi = a - grid[lo], grid[hi] - a
-    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
-    return np.copysign(np.where(pick_hi, grid[hi], grid[lo]), v)
-
-
-def _round_int(v: np.ndarray, qmax: float) -> np.ndarray:
-    return np.clip(np.round(v), -qmax, qmax)  # numpy rounds half to even
-
-
-def _blocks(x: np.ndarray, size: int) -> tuple[np.ndarray, int]:
-    rows = x.reshape(-1, x.shape[-1] if x.ndim else 1)
-    pad = -rows.shape[1] % size
-    return np.pad(rows, ((0, 0), (0, pad))).reshape(-1, size), rows.shape[1]
-
-
-def _unblock(q: np.ndarray, x: np.ndarray, last: int) -> np.ndarray:
-    return q.reshape(-1, last + (-last % q.shape[1]))[:, :last].reshape(x.shape)
-
-
-def _f32(v: float) -> np.float32:
-    return np.float32(v)
-
-
-def _per_tensor(x: np.ndarray, fmax: float, rnd) -> tuple[np.ndarray, np.ndarray]:
-    amax = np.abs(x).max() if x.size else np.float32(0)
-    s = np.float32(amax / _f32(fmax))
-    if s == 0:
-        return np.zeros_like(x), np.zeros_like(x)
-    v = (x / s).astype(np.float32)
-    return (rnd(v) * s).astype(np.float32), v
-
-
-def _per_block(x: np.ndarray, size: int, scale_of, fmax: float, rnd):
-    b, last = _blocks(x, size)
-    scale = scale_of(b)
-    safe = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)
-    v = (b / safe).astype(np.float32)
-    q = np.where(scale > 0, rnd(v) * safe, 0).astype(np.float32)
-    return _unblock(q, x, last), _unblock(v, x, last)
-
-
-def _mx_scale(emax: int):
-    def scale_of(b: np.ndarray) -> np.ndarray:
-        out = []
-        for amax in np.abs(b).max(axis=1):
-            if amax == 0:
-                out.append(0.0)
-            else:
-                k = min(max(math.frexp(float(amax))[1] - 1 - emax, -127), 127)
-                out.append(2.0**k)
-        return np.array(out, dtype=np.float32)[:, None]
-
-    return scale_of
-
-
-def reference(x: torch.Tensor, fmt: str) -> tuple[np.ndarray, np.ndarray]:
-    """(Q(x), the scaled values before rounding) from the recipes, with x's non-finite kept."""
-    xa = x.float().numpy()
-    finite = np.isfinite(xa)
-    xc = np.where(finite, xa, 0).astype(np.float32)
-    if fmt == "fp8_e4m3":
-        q, v = _per_tensor(xc, 448.0, lambda v: _round_grid(v, E4M3))
-    elif fmt == "fp8_e5m2":
-        q, v = _per_tensor(xc, 57344.0, lambda v: _round_grid(v, E5M2))
-    elif fmt == "int8":
-        q, v = _per_tensor(xc, 127.0, lambda v: _round_int(v, 127))
-    elif fmt == "int4":
-        amax7 = lambda b: (np.abs(b).max(axis=1, keepdims=True) / _f32(7)).astype(np.float32)  # noqa: E731
-        q, v = _per_block(xc, 32, amax7, 7.0, lambda v: _round_int(v, 7))
-    elif fmt == "mxfp8":
-        q, v = _per_block(xc, 32, _mx_scale(8), 448.0, lambda v: _round_grid(v, E4M3))
-    elif fmt == "mxfp4":
-        q, v = _per_block(xc, 32, _mx_scale(2), 6.0, lambda v: _round_grid(v, E2M1))
-    else:
-        amax = np.abs(xc).max() if xc.size else np.float32(0)
-        g = np.float32(amax / _f32(448.0 * 6.0))
-        g = g if g > 0 else np.float32(1)
-
-        def scale_of(b: np.ndarray) -> np.ndarray:
-            raw = (np.abs(b).max(axis=1, keepdims=True) / (_f32(6) * g)).astype(np.float32)
-            return (_round_grid(raw, E4M3).astype(np.float32) * g).astype(np.float32)
-
-        q, v = _per_block(xc, 16, scale_of, 6.0, lambda v: _round_grid(v, E2M1))
-    return np.where(finite, q, xa), v
-
-
-HALF_STEP = {"fp8_e4m3": 464.0, "fp8_e5m2": 61440.0, "mxfp8": 464.0, "mxfp4": 7.0,
-             "nvfp4": 7.0, "int8": 127.5, "int4": 7.5}  # fmt: skip
-
-
-def _tensors() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(31)
-    outliers = torch.randn(16, 96, generator=g)
-    outliers[:, 7] *= 300.0
-    outliers[3, 50] = -2.0e4
-    wide = torch.randn(9, 45, generator=g) * 10.0 ** torch.empty(9, 45).uniform_(-9, 1, generator=g)
-    nans = torch.randn(5, 70, generator=g)
-    nans[1, 3] = float("nan")
-    nans[2, :] = float("nan")
-    nans[4, 9] = float("inf")
-    far = torch.randn(2, 48, generator=g)
-    far[0] *= 1e8  # nvfp4: row 1's block scales round to 0 in E4M3, so the blocks decode to 0
-    return {
-        "far": far,
-        "random": torch.randn(8, 128, generator=g),
-        "outliers": outliers,
-        "subnormal": wide,
-        "tiny": torch.randn(3, 40, generator=g) * 1e-39,
-        "zeros": torch.zeros(4, 33),
-        "nan": nans,
-        "vector": torch.randn(77, generator=g),
-        "bf16": torch.randn(6, 64, generator=g).bfloat16(),
-    }
+from tests.fixtures.quant_reference import (
+    E4M3,
+    E5M2,
+    assert_figures,
+    reference,
+    reference_figures,
+)
+from tests.fixtures.quant_reference import sample_tensors as _tensors
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -164,34 +31,6 @@ def test_quantize_matches_the_specification(fmt: str, kind: str) -> None:
     got = quantize(x, fmt)
     assert got.shape == x.shape and got.dtype == torch.float32
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=0, equal_nan=True)
-
-
-def reference_figures(x: torch.Tensor, fmt: str) -> dict[str, float | None]:
-    """rel_rmse, sqnr_db, underflow and clipped from `reference`, in float64 numpy."""
-    q, v = reference(x, fmt)
-    xa = x.float().numpy().astype(np.float64)
-    finite = np.isfinite(xa)
-    xf, qf, vf = xa[finite], q[finite].astype(np.float64), v[finite]
-    nonzero = xf != 0
-    norm = np.linalg.norm(xf)
-    rel = float(np.linalg.norm(qf - xf) / norm) if norm else 0.0
-    count = max(int(nonzero.sum()), 1)
-    return {
-        "rel_rmse": rel,
-        "sqnr_db": -20 * math.log10(rel) if rel else None,
-        "underflow": ((qf == 0) & nonzero).sum() / count,
-        "clipped": (np.abs(vf) > HALF_STEP[fmt]).sum() / count,
-    }
-
-
-def assert_figures(got: dict, want: dict) -> None:
-    assert got["rel_rmse"] == pytest.approx(want["rel_rmse"], rel=1e-5, abs=1e-12)
-    if want["sqnr_db"] is None:
-        assert got["sqnr_db"] is None
-    else:
-        assert got["sqnr_db"] == pytest.approx(want["sqnr_db"], abs=1e-4)
-    assert got["underflow"] == pytest.approx(want["underflow"], abs=1e-12)
-    assert got["clipped"] == pytest.approx(want["clipped"], abs=1e-12)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -434,3 +273,28 @@ def test_many_chunks_add_up_to_the_whole(monkeypatch, dtype) -> None:
     got = formats.format_errors(x, FORMATS, finite=True)
     for fmt in FORMATS:
         assert_figures(got[fmt], reference_figures(x, fmt))
+
+
+@pytest.mark.parametrize("spare", [0, 1])
+@pytest.mark.parametrize("stats_only", [True, False])
+def test_large_tensors_get_the_same_figures_on_any_thread(tmp_path, monkeypatch, spare, stats_only):
+    """A tensor of a MiB or more is measured off the model's thread (the writer's ring, or the
+    stats-only workers), or on it when no core is spare: the figures equal the reference either
+    way (the stored tensor, or the model's output recomputed here)."""
+    from safetensors import safe_open
+
+    import modeltap
+    from modeltap.dump import pipeline, writer
+
+    monkeypatch.setattr(pipeline, "spare_cores", lambda: spare)
+    monkeypatch.setattr(writer, "spare_cores", lambda: spare)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.GELU())
+    x = torch.randn(4, 160, 64, generator=torch.Generator().manual_seed(5))  # 1.25 MiB outputs
+    path = modeltap.dump(model, x, tmp_path / "d.safetensors", formats=("int8", "nvfp4"),
+                         stats_only=stats_only)  # fmt: skip
+    stats = json.loads(safe_open(path, "pt").metadata()["stats"])
+    with torch.no_grad():
+        outputs = {"0": model[0](x), "1": model(x)}
+    for key, value in outputs.items():
+        for fmt in ("int8", "nvfp4"):
+            assert_figures(stats[key]["formats"][fmt], reference_figures(value, fmt))

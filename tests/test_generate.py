@@ -1169,7 +1169,7 @@ def test_formats_of_every_step_equal_the_reference_on_the_stored_tensors(tok, tm
     from safetensors import safe_open
 
     import modeltap
-    from tests.test_formats import assert_figures, reference_figures
+    from tests.fixtures.quant_reference import assert_figures, reference_figures
 
     fmts = ("int8", "mxfp8", "nvfp4")
     done = modeltap.generate(tiny_gpt2(), tok, PROMPT, tmp_path / "g.safetensors",

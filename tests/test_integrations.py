@@ -862,7 +862,7 @@ def test_trainer_callback_passes_formats_and_ops_through(tmp_path: Path) -> None
     from transformers import Trainer, TrainingArguments
 
     from modeltap.integrations import ModeltapCallback
-    from tests.test_formats import assert_figures, reference_figures
+    from tests.fixtures.quant_reference import assert_figures, reference_figures
 
     model = _classifier()
     attention = model.bert.encoder.layer[0].attention.self

@@ -725,7 +725,7 @@ def _format_reference(path: Path, formats) -> dict[str, dict[str, dict]]:
     reference quantizer."""
     from safetensors import safe_open
 
-    from tests.test_formats import reference_figures
+    from tests.fixtures.quant_reference import reference_figures
 
     with safe_open(str(path), "pt") as f:
         return {k: {n: reference_figures(f.get_tensor(k), n) for n in formats} for k in f.keys()}
