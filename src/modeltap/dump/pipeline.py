@@ -7,10 +7,11 @@ from __future__ import annotations
 import collections
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from modeltap.stats import begin_stats, tensor_stats
+from modeltap.stats.measure import format_figures
 
 if TYPE_CHECKING:
     import torch
@@ -18,10 +19,25 @@ if TYPE_CHECKING:
     from modeltap.dump.writer import DumpWriter
 
 
-def _byte_dtype() -> torch.dtype:
+def _torch() -> Any:
     import torch
 
-    return torch.uint8
+    return torch
+
+
+def spare_cores() -> int:
+    """The cores this process may use beyond the model's torch threads: where the statistics'
+    threads run their torch ops (--formats), so they start no team on the model's cores."""
+    return max(0, len(os.sched_getaffinity(0)) - _torch().get_num_threads())
+
+
+def hold_threads(n: int) -> None:
+    """This thread's torch ops on `n` cores (torch's OpenMP thread count is per thread)."""
+    _torch().set_num_threads(max(1, n))
+
+
+def _byte_dtype() -> torch.dtype:
+    return _torch().uint8
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -77,6 +93,7 @@ class _Item:
     pending: Any = None  # stats.PendingStats of a CUDA tensor
     numbers: torch.Tensor | None = None  # its numbers, copied to pinned memory
     event: Any = None  # CUDA event after both copies
+    formats: dict[str, Any] | None = None  # a CPU tensor's --formats figures, taken by the caller
 
 
 class Pipeline:
@@ -108,9 +125,9 @@ class Pipeline:
         self.stop = False
         self.error: BaseException | None = None
         self.cond = threading.Condition()
-        # No torch thread count to carry over: CPU statistics are numpy on one core (the same
-        # bits in any thread, a strided tensor laid out by numpy too), so this thread starts no
-        # OpenMP team beside the model's (a float8 tensor, which numpy lacks, is the exception).
+        # CPU statistics are numpy on one core (the same bits in any thread, a strided tensor
+        # laid out by numpy too); the torch ops it runs get the cores the model leaves (_run).
+        self.spare = spare_cores()
         self.thread = threading.Thread(target=self._run, name="modeltap-writer", daemon=True)
         self.thread.start()
 
@@ -148,7 +165,15 @@ class Pipeline:
             copy.copy_(x, non_blocking=cuda)
         if record is not None:
             timeline.span(record, "copy", start, "main")
+        figures = None
+        if not (cuda or self.spare) and options.get("formats") and x.is_floating_point():
+            # No core left beside the model's: on the caller's thread, with the model's cores,
+            # rather than a second team on the same cores (--formats' torch ops are most of the
+            # work: at 2 of 2 cores 2.6x a plain stats-only dump against 2.9x in the thread).
+            figures = format_figures(x, options["formats"])
+            options = {**options, "formats": ()}
         item = _Item(key, position, offset, size, charge, copy, write, options, record)
+        item.formats = figures
         if cuda:
             item.pending = begin_stats(x, **options)
             if item.pending.numbers is not None:
@@ -225,6 +250,7 @@ class Pipeline:
         self.writer.peak_inflight = max(self.writer.peak_inflight, self.peak)
 
     def _run(self) -> None:
+        hold_threads(self.spare)  # --formats' torch ops on the cores the model leaves (take)
         try:
             self._loop()
         finally:
@@ -264,6 +290,8 @@ class Pipeline:
         else:
             assert item.copy is not None
             stats = tensor_stats(item.copy, **item.options)
+            if item.formats is not None:
+                stats = replace(stats, formats=item.formats)
         self.writer.stats[item.key] = stats
         if record is not None:
             timeline.span(record, "stats", start, "writer")

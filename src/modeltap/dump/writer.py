@@ -16,10 +16,19 @@ import os
 import re
 import struct
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from modeltap.dump.pipeline import Pipeline, byte_view, dense, pwrite_all, write_at
+from modeltap.dump.pipeline import (
+    Pipeline,
+    byte_view,
+    dense,
+    hold_threads,
+    pwrite_all,
+    spare_cores,
+    write_at,
+)
 from modeltap.dump.timeline import Timeline
 from modeltap.errors import InputError
 from modeltap.stats import (
@@ -29,6 +38,7 @@ from modeltap.stats import (
     dtype_name,
     final_stats,
 )
+from modeltap.stats.measure import format_figures
 
 if TYPE_CHECKING:
     from concurrent.futures import Future, ThreadPoolExecutor
@@ -194,6 +204,7 @@ class DumpWriter:
         self._deferred_bytes = 0
         # statistics of `final` tensors, computed by a few workers straight from the tensors
         self._final_pool: ThreadPoolExecutor | None = None
+        self._spare = 0  # cores beside the model's, set with the pool (pipeline.spare_cores)
         self._final: dict[str, Future[TensorStats]] = {}
         # MODELTAP_TIMELINE: per-tensor timings, a debug log (dump/timeline.py); None when off
         self._timeline = Timeline.from_env(self.path)
@@ -300,14 +311,20 @@ class DumpWriter:
             if self._final_pool is None:
                 from concurrent.futures import ThreadPoolExecutor
 
-                # CPU statistics are numpy on one core: the same bits in any thread, and no
-                # torch thread pool to set up here
-                self._final_pool = ThreadPoolExecutor(_FINAL_WORKERS, "modeltap-stats")
+                # CPU statistics are numpy on one core: the same bits in any thread; the torch
+                # ops of --formats get the cores the model leaves, or the model's (below)
+                self._spare = spare_cores()
+                self._final_pool = ThreadPoolExecutor(
+                    _FINAL_WORKERS, "modeltap-stats", hold_threads, (self._spare,)
+                )
             options = self._options(count_zeros)
-            self._final[key] = (
-                self._final_pool.submit(final_stats, x, **options)
-                if record is None
-                else self._final_pool.submit(_timed_final, self._timeline, record, x, options)
+            figures = None
+            if not self._spare and options["formats"] and x.is_floating_point():
+                # no core beside the model's: here, with its cores, not a second team on them
+                figures = format_figures(x, options["formats"])
+                options = {**options, "formats": ()}
+            self._final[key] = self._final_pool.submit(
+                _final, self._timeline, record, x, options, figures
             )
 
     def _place(self, key: str, x: torch.Tensor, code: str | None, nbytes: int) -> tuple[int, int]:
@@ -541,10 +558,17 @@ class DumpWriter:
             self._timeline.write("aborted")
 
 
-def _timed_final(
-    timeline: Timeline, record: dict[str, Any], x: torch.Tensor, options: dict[str, Any]
+def _final(
+    timeline: Timeline | None,
+    record: dict[str, Any] | None,
+    x: torch.Tensor,
+    options: dict[str, Any],
+    figures: dict[str, Any] | None,
 ) -> TensorStats:
-    start = timeline.now()
+    """`final_stats` on a worker (timed on the timeline when there is one), with the --formats
+    figures the caller took where it did."""
+    start = 0.0 if timeline is None else timeline.now()
     stats = final_stats(x, **options)
-    timeline.span(record, "stats", start, "final")
-    return stats
+    if timeline is not None and record is not None:
+        timeline.span(record, "stats", start, "final")
+    return stats if figures is None else replace(stats, formats=figures)
