@@ -12,7 +12,7 @@ from modeltap.capture import capture
 from modeltap.cli import app
 from modeltap.errors import InputError
 from modeltap.loading.factory import is_factory, load_factory
-from tests.fixtures.backends import build_nested, read_dump
+from tests.fixtures.backends import build_nested, build_nested_bf16, read_dump
 
 runner = CliRunner()
 
@@ -27,6 +27,19 @@ def test_factory_with_example_inputs_dumps_like_eager() -> None:
     for key in want.keys():
         torch.testing.assert_close(got[key], want[key], atol=0, rtol=0, msg=key)
     assert meta["backend"] == "eager" and meta["model_class"] == "Nested"
+
+
+def test_a_bfloat16_factorys_dump_says_bfloat16() -> None:
+    spec = "tests.fixtures.backends:build_nested_bf16"
+    r = runner.invoke(app, ["dump", spec, "-o", "b.safetensors"])
+    assert r.exit_code == 0, r.output
+    got, meta = read_dump("b.safetensors")
+    model, (x,) = build_nested_bf16()
+    assert meta["dtype"] == str(next(model.parameters()).dtype).removeprefix("torch.")
+    assert "bfloat16" in r.output.splitlines()[0] and "float32" not in r.output.splitlines()[0]
+    want = capture(model, x)  # plain hooks on the bfloat16 model and input
+    for key in want.keys():
+        torch.testing.assert_close(got[key], want[key], atol=0, rtol=0, msg=key)
 
 
 def test_factory_names() -> None:

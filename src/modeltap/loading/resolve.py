@@ -265,5 +265,5 @@ def _resolve_transformed(
         raise InputError(f"'{model_name}' has no example inputs; give TEXT or --input-file")
     if s.dtype != "float32" or s.device != "cpu":
         raise InputError("archives and factories run on cpu in float32; drop --dtype/--device")
-    assert inputs_ is not None
-    return Resolved(loaded, inputs_.to("cpu", torch.float32), tok, backend)
+    assert inputs_ is not None  # floats in the model's dtype (a factory's may be bfloat16)
+    return Resolved(loaded, inputs_.to("cpu", getattr(torch, loaded.dtype)), tok, backend)

@@ -65,7 +65,16 @@ def load_transformed(
             backend = FxBackend()
         model_class = type(model).__name__
         source = ModelSource(model_name, Path.cwd())
-    return Loaded(model, source, model_class=model_class), example, backend
+    return Loaded(model, source, model_class=model_class, dtype=_dtype(model)), example, backend
+
+
+def _dtype(model: Any) -> str:
+    """The dtype of the model's first floating parameter (a factory may make a bfloat16 model),
+    float32 where it has none (an archive's skeleton)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return str(p.dtype).removeprefix("torch.")
+    return "float32"
 
 
 def transformed_tree(model_name: str, allow_pickle: bool = False) -> Any:
