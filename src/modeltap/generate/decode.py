@@ -78,13 +78,10 @@ def generate_model(
     of prompt b in row b * num_beams + j), and the steps' tokens are those of the sequence
     `generate` returns, each with the row that chose it (`beam`).
     `ops`: also every op of the selected modules' own code at each step (capture/ops.py; keys
-    `gen/step{k}/module/opNN.name`, metadata `ops` under the same keys). `formats`: each float
-    tensor's low-precision what-if figures (stats/formats.py), as `dump --formats`.
-    """
+    `gen/step{k}/module/opNN.name`, metadata `ops` alike). `formats`: as `dump --formats`."""
     import torch
 
     from modeltap.capture import hooks
-    from modeltap.dumping import _RESERVE_PER_FORMAT, _RESERVE_PER_MODULE
 
     plan = plan or StepPlan()
     selection = selection or Selection()
@@ -92,11 +89,8 @@ def generate_model(
     decoding = _checked_decoding(model, inputs, decoding, forced)
     beams = decoding.num_beams or 1
     modules = select_modules(model, selection)
-    per_module = _RESERVE_PER_MODULE * (1 + 4 * ops) + _RESERVE_PER_FORMAT * len(formats)
-    reserve = 4096 + per_module * len(modules) * (decoding.new_tokens + 1)
-    writer = DumpWriter(out, stats_only=plan.mode == "none", dead_threshold=dead_threshold,
-                        reserve=min(reserve, 64 << 20), max_inflight=max_inflight,
-                        formats=formats)  # fmt: skip
+    steps = len(modules) * (decoding.new_tokens + 1)
+    writer = _writer(out, plan, steps, ops, formats, dead_threshold, max_inflight)
     sink = StepSink(writer, plan)
     kwargs = _generate_kwargs(model, inputs, decoding, modules, forced, beams)
     skipped: dict[str, str] = {}
@@ -129,16 +123,45 @@ def generate_model(
             writer.stats_only = False
         meta = {
             **_file_meta(model, inputs, selection, decoding, metadata),
-            "order": json.dumps(sink.order),
-            "skipped": json.dumps(skipped),
-            "skipped_none": str(rec.skipped_none),
-            "devices": json.dumps(sink.devices),
-            "generate": json.dumps(gen_meta),
-            **({"ops": json.dumps(sink.stored_ops())} if ops else {}),
+            **_run_meta(sink, skipped, rec.skipped_none, gen_meta, ops=ops),
         }
         done.path = writer.finish(meta)
         done.meta = gen_meta
     return done
+
+
+def _writer(
+    out: str | os.PathLike[str],
+    plan: StepPlan,
+    module_steps: int,
+    ops: bool,
+    formats: tuple[str, ...],
+    dead_threshold: float,
+    max_inflight: int,
+) -> DumpWriter:
+    """The file's writer, its header's room reserved for `module_steps` module outputs (each
+    with its ops and format figures)."""
+    from modeltap.dumping import _RESERVE_PER_FORMAT, _RESERVE_PER_MODULE
+
+    per_module = _RESERVE_PER_MODULE * (1 + 4 * ops) + _RESERVE_PER_FORMAT * len(formats)
+    return DumpWriter(out, stats_only=plan.mode == "none", dead_threshold=dead_threshold,
+                      reserve=min(4096 + per_module * module_steps, 64 << 20),
+                      max_inflight=max_inflight, formats=formats)  # fmt: skip
+
+
+def _run_meta(
+    sink: StepSink, skipped: dict[str, str], skipped_none: Any, gen_meta: Any, *, ops: bool
+) -> dict[str, str]:
+    """The metadata of what the steps recorded: order, skipped keys, devices, the generation,
+    and the ops."""
+    return {
+        "order": json.dumps(sink.order),
+        "skipped": json.dumps(skipped),
+        "skipped_none": str(skipped_none),
+        "devices": json.dumps(sink.devices),
+        "generate": json.dumps(gen_meta),
+        **({"ops": json.dumps(sink.stored_ops())} if ops else {}),
+    }
 
 
 def _checked_formats(formats: Sequence[str]) -> tuple[str, ...]:

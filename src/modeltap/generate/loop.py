@@ -263,13 +263,7 @@ def hooked_steps(
             return
         loop.chose = False
         step = sink.step + 1
-        if end is not None and loop.prompt_end is not None and end != loop.prompt_end + step:
-            raise InputError(
-                f"{type(model).__name__}.generate ran its decoding loop again (step {step} ends "
-                f"at decoder position {end}, not {loop.prompt_end + step}); modeltap numbers "
-                "the steps of one loop: give a recording within the model's window, without "
-                "temperature fallback in its generation config"
-            )
+        _check_position(model, step, end, loop.prompt_end)
         skipped.update({step_key(sink.step, k): v for k, v in recorder.skipped.items()})
         recorder.skipped.clear()
         recorder.next_pass()
@@ -303,6 +297,18 @@ def hooked_steps(
             delattr(model, method)
         else:
             setattr(model, method, own)
+
+
+def _check_position(model: nn.Module, step: int, end: int | None, prompt_end: int | None) -> None:
+    """Refuse a step whose decoder positions don't end at the prompt's end + step: the loop ran
+    again (a temperature fallback, a window's next chunk)."""
+    if end is not None and prompt_end is not None and end != prompt_end + step:
+        raise InputError(
+            f"{type(model).__name__}.generate ran its decoding loop again (step {step} ends "
+            f"at decoder position {end}, not {prompt_end + step}); modeltap numbers "
+            "the steps of one loop: give a recording within the model's window, without "
+            "temperature fallback in its generation config"
+        )
 
 
 def _new_cache_positions(sink: StepSink, args: Any, kwargs: dict[str, Any], output: Any) -> None:

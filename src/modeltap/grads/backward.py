@@ -190,15 +190,22 @@ def run_grads(
         **({"loss_info": loss_info} if loss_info else {}),
         "grad_output": spec.grad_output if y.dim() else "scalar",
         "seed": seed,
+        **_keys_meta(spec, sink, param_keys),
+        **({"jacobian": jacobian} if jacobian else {}),
+    }
+    return GradRun(meta, order, recorder.skipped, recorder.skipped_none, op_meta)
+
+
+def _keys_meta(spec: GradSpec, sink: _GradSink, param_keys: list[str]) -> dict[str, Any]:
+    """The `grad` metadata's keys: asked for, taken, without a path, and the thresholds."""
+    return {
         "wrt": list(spec.wrt),
         "keys": [*sink.candidates, *param_keys],
         "params": param_keys,
         "no_path": sink.no_path,
         "vanishing": spec.vanishing,
         "exploding": spec.exploding,
-        **({"jacobian": jacobian} if jacobian else {}),
     }
-    return GradRun(meta, order, recorder.skipped, recorder.skipped_none, op_meta)
 
 
 def _op_modules(ops: bool, wrt_modules: set[str], by_name: dict[str, nn.Module]) -> list[str]:
