@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from modeltap.capture.backend import BackendRun, RunRequest, SavedBackend
-from modeltap.capture.graph_ops import GraphOps
+from modeltap.capture.graph_ops import GraphOps, stack_fqn
 from modeltap.capture.keys import make_key
 from modeltap.capture.recorder import Recorder
 from modeltap.capture.structure import OutputStructure
@@ -238,7 +238,7 @@ def module_names(ep: ExportedProgram, recorded: dict[str, str] | None = None) ->
         for path, cls in (node.meta.get("nn_module_stack") or {}).values():
             if "_empty_nn_module_stack" in path:
                 continue
-            classes.setdefault(_stack_fqn(path) or ROOT, _class_name(cls))
+            classes.setdefault(stack_fqn(path) or ROOT, _class_name(cls))
     names: dict[str, str] = {ROOT: classes.get(ROOT, "ExportedProgram")}
     for entry in ep.module_call_graph:
         module = _CALL.match(entry.fqn).group(1)  # type: ignore[union-attr]
@@ -262,17 +262,6 @@ def parameter_shapes(ep: ExportedProgram) -> dict[str, tuple[int, ...]]:
         for name in ep.graph_signature.parameters
         if name in ep.state_dict
     }
-
-
-def _stack_fqn(path: str) -> str | None:
-    """`L['self'].encoder.layer[0]`, `encoder.layer.0@1` -> `encoder.layer.0`."""
-    if "_empty_nn_module_stack" in path:
-        return None
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    path = re.sub(r"\[(\d+)\]", r".\1", path)
-    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
-    path = re.sub(r"@\d+$", "", path).strip(".")
-    return path or None
 
 
 def _class_name(cls: Any) -> str:

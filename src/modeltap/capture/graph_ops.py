@@ -106,15 +106,13 @@ def _owner(node: Any, selected: set[str], *, leaf: bool) -> str | None:
     """The key of the innermost selected module call in the node's stack (`m`, `m@1`); the root
     where the node is outside every module; None where none is selected. A `leaf` call's own
     module is its innermost: a selected one makes the node its output, not an op."""
-    from modeltap.capture.export import _stack_fqn
-
     stack = list((node.meta.get("nn_module_stack") or {}).items())
     if leaf:
-        if not stack or (_stack_fqn(str(stack[-1][1][0])) or ROOT) in selected:
+        if not stack or (stack_fqn(str(stack[-1][1][0])) or ROOT) in selected:
             return None
         stack = stack[:-1]
     for key, (path, _cls) in reversed(stack):
-        module = _stack_fqn(str(path)) or ROOT
+        module = stack_fqn(str(path)) or ROOT
         if module in selected:
             call = _CALL_SUFFIX.search(str(key))
             return make_key(module, int(call.group(1)) if call else 0)
@@ -170,3 +168,15 @@ def _copy(value: Any) -> Any:
         items = [_copy(v) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
+
+
+def stack_fqn(path: str) -> str | None:
+    """A node's `nn_module_stack` path as a module name: `L['self'].encoder.layer[0]`,
+    `encoder.layer.0@1` -> `encoder.layer.0`; None for the root."""
+    if "_empty_nn_module_stack" in path:
+        return None
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
+    path = re.sub(r"@\d+$", "", path).strip(".")
+    return path or None
