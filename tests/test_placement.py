@@ -521,3 +521,21 @@ def test_ls_plan_keeps_tied_weights_together_as_loading_does(gpt2_dir, tmp_path)
     rows = ls_rows(result.stdout)
     for name in expected:
         assert rows[name][-1] == device_of(name, expected), name
+
+
+def test_placement_read_from_the_weights_agrees_with_transformers_map(bert_dir, tmp_path):
+    """Where a transformers version keeps no `hf_device_map`, the dump's device_map comes from
+    where each module's weights are: it must say what transformers' own map says (CPU + disk)."""
+    from modeltap.loading import load_model
+    from modeltap.loading.hf import placed
+
+    budget = param_bytes(bert_dir)  # some modules in memory, the rest on disk
+    model = load_model(str(bert_dir), device_map="auto", max_memory={"cpu": budget},
+                       offload_folder=str(tmp_path / "off")).model  # fmt: skip
+    hf_map = model.hf_device_map
+    assert set(hf_map.values()) == {"cpu", "disk"}
+    got = placed(model)
+    assert got and set(got.values()) == {"cpu", "disk"}
+    for name, where in got.items():
+        owner = max((m for m in hf_map if m in ("", name) or name.startswith(m + ".")), key=len)
+        assert where == hf_map[owner], name

@@ -73,6 +73,33 @@ class Loaded:
     missing_weights: list[str] = field(default_factory=list)
 
 
+def placed(model: nn.Module) -> dict[str, int | str]:
+    """Where each module's own parameters and buffers are, as `hf_device_map` says it: a GPU's
+    index, "cpu", or "disk" (accelerate keeps an offloaded module's weights on the meta device
+    and loads them from memory, or from its folder's index, for each call). For a transformers
+    version that keeps no map."""
+    where: dict[str, int | str] = {}
+    for name, module in model.named_modules():
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if not tensors:
+            continue
+        device = tensors[0].device
+        if device.type == "meta":
+            where[name] = "disk" if _on_disk(module) else "cpu"
+        else:
+            where[name] = device.index or 0 if device.type == "cuda" else device.type
+    return where
+
+
+def _on_disk(module: nn.Module) -> bool:
+    """Whether accelerate loads the module's offloaded weights from its folder (the folder's
+    index names them) rather than from memory."""
+    weights = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
+    index = getattr(getattr(weights, "dataset", None), "index", None) or {}
+    prefix = getattr(weights, "prefix", "")
+    return any(prefix + name in index for name, _ in module.named_parameters(recurse=False))
+
+
 def looks_like_path(name: str) -> bool:
     return (
         name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep in name.replace("/", "")
@@ -242,7 +269,7 @@ def load_model(
     else:
         model.eval()
         target = str(placing.input_device(model))
-        device_map_used = dict(getattr(model, "hf_device_map", None) or {})
+        device_map_used = dict(getattr(model, "hf_device_map", None) or {}) or placed(model)
     return Loaded(
         model,
         source,
