@@ -431,7 +431,9 @@ def test_cuda_dump_matches_cpu_float32_within_the_cross_device_preset(bert_dir, 
 
 @cuda
 def test_cuda_with_cpu_offload_records_both_devices(bert_dir, tmp_path):
-    budget = param_bytes(bert_dir) // 2
+    # 3/4 of the weights' bytes on the GPU: accelerate keeps room for the largest layer there,
+    # so at 1/2 transformers 5.17 put the whole tiny model on the CPU
+    budget = param_bytes(bert_dir) * 3 // 4
     result = invoke(
         "dump", bert_dir, *TEXTS, "-o", "g.safetensors", "--device-map", "auto",
         "--max-memory", f"0={budget},cpu=1GiB",
