@@ -711,6 +711,9 @@ def test_a_nan_gradient_that_no_optimizer_takes_is_a_skipped_step(
     assert rec.trips == [] and rec.skipped == [3]
     assert read_run(tmp_path / "run").ranks[0].skipped == [3]
     assert "step 3: non-finite gradients that no optimizer step took" in caplog.text
+    shown = CliRunner().invoke(app, ["show", str(tmp_path / "run")])  # no GradScaler here
+    assert "skipped (inf/NaN gradients, no optimizer step): steps 3" in shown.output
+    assert "GradScaler" not in shown.output
     assert "module 'gate' (PoisonGrad) gradient w.r.t. its input 'grad/fc2'" in caplog.text
 
 

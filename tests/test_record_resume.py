@@ -80,6 +80,8 @@ def test_resume_before_the_folders_last_step_is_refused_naming_the_choices(tmp_p
     assert {p.name: _digest(p) for p in run.iterdir()} == before  # nothing touched
     with pytest.raises(InputError, match="resume must be True, False or 'truncate'"):
         _loop(run, 1, every=2, start_step=7, resume="yes")
+    with pytest.raises(InputError, match="^resume='truncate' with every=3 but the run used 2;"):
+        _loop(run, 1, every=3, start_step=4, resume="truncate")  # the message names what it got
 
 
 def test_truncate_moves_the_later_steps_aside_and_numbers_by_the_given_step(

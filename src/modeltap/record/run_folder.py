@@ -81,7 +81,8 @@ class RunFolder:
         if changed:
             k = changed[0]
             raise InputError(
-                f"resume=True with {k}={settings[k]!r} but the run used {start[k]!r}; "
+                f"resume={self.options.resume!r} with {k}={settings[k]!r} but the run used "
+                f"{start[k]!r}; "
                 "resume with the same options, or record into another folder"
             )
         last = index.last_step()

@@ -80,7 +80,8 @@ def run_heading(run: RunIndex, rank: int) -> Text:
     if index.skipped:
         shown = ", ".join(map(str, index.skipped[:10]))
         more = " ..." if len(index.skipped) > 10 else ""
-        text.append(f"\nskipped by the GradScaler (inf/NaN gradients): steps {shown}{more}")
+        # a GradScaler's skipped steps, and steps whose inf/NaN gradients no optimizer step took
+        text.append(f"\nskipped (inf/NaN gradients, no optimizer step): steps {shown}{more}")
     if index.evals:
         text.append(f"\n{len(index.evals)} evaluations recorded (eval*.safetensors), after steps ")
         text.append(", ".join(str(e["step"]) for e in index.evals[:10]))
