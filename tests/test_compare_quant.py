@@ -490,3 +490,56 @@ def test_compare_help_says_what_target_takes() -> None:
     line = next(x for x in result.stdout.splitlines() if "--target" in x)
     assert "METRIC=VALUE" in line and "What --bisect aims for" in line
     assert "int4-weight" in result.stdout.split("--preset", 1)[1].split("--atol")[0]
+
+
+def _minilm_with_outlier(scale: float) -> tuple[nn.Module, dict, str]:
+    from transformers import AutoModel, AutoTokenizer
+
+    model = AutoModel.from_pretrained(MINILM).eval()
+    tokenizer = AutoTokenizer.from_pretrained(MINILM)
+    batch = dict(tokenizer(["a planted outlier row"], return_tensors="pt"))
+    name = "encoder.layer.2.attention.self.value"
+    if scale != 1:
+        with torch.no_grad():
+            model.get_submodule(name).weight[5] *= scale
+    return model, batch, name
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("which", ["llama", "minilm"])
+def test_formats_name_the_planted_outlier_layer_the_worst(tmp_path, fmt: str, which: str) -> None:
+    """Issue 31's check: a weight row scaled by 1e5 makes its layer's output span many orders of
+    magnitude; --formats names it the worst for int8 and fp8 (by the share of values quantizing
+    sends to zero, which is what a per-tensor scale does to the rest of such a tensor), with its
+    figure equal to the reference on the output plain torch computes; unplanted, it is not."""
+    import modeltap
+    from modeltap.dump import load_dump
+    from modeltap.render.tree import dump_json
+    from tests.fixtures.quant_reference import assert_figures, reference_figures
+
+    if which == "minilm" and not MINILM.is_dir():
+        pytest.skip("needs models/all-MiniLM-L6-v2")
+    under: dict[float, float] = {}
+    for scale in (1e5, 1.0):
+        if which == "llama":
+            model, batch = _outlier_llama(scale)
+            name = OUTLIER
+        else:
+            model, batch, name = _minilm_with_outlier(scale)
+        seen: dict[str, torch.Tensor] = {}
+        handle = model.get_submodule(name).register_forward_hook(
+            lambda m, i, o, seen=seen: seen.setdefault("out", o.detach().clone())
+        )
+        with torch.no_grad():
+            model(**batch)
+        handle.remove()
+        path = modeltap.dump(model, batch, tmp_path / f"{scale}.safetensors", formats=[fmt],
+                             stats_only=True)  # fmt: skip
+        entries = {e["key"]: e["formats"][fmt] for e in dump_json(load_dump(path))["tensors"]
+                   if "formats" in e}  # fmt: skip
+        assert_figures(entries[name], reference_figures(seen["out"], fmt))
+        under[scale] = entries[name]["underflow"]
+        worst = max(entries, key=lambda k: entries[k]["underflow"])
+        if scale != 1:  # the layer, or the attention output it is mixed into (MiniLM's self:0)
+            assert worst.startswith(name.rsplit(".", 1)[0])
+    assert under[1e5] > 0.1 and under[1e5] > 5 * under[1.0]
