@@ -94,6 +94,7 @@ class _Item:
     numbers: torch.Tensor | None = None  # its numbers, copied to pinned memory
     event: Any = None  # CUDA event after both copies
     formats: dict[str, Any] | None = None  # a CPU tensor's --formats figures, taken by the caller
+    format_numbers: torch.Tensor | None = None  # a CUDA tensor's --formats sums, copied to pinned
 
 
 class Pipeline:
@@ -182,6 +183,13 @@ class Pipeline:
                 )
                 item.numbers.copy_(item.pending.numbers, non_blocking=True)
                 item.pending.numbers = None
+            pending_formats = item.pending.formats
+            if pending_formats is not None and pending_formats.parts is not None:
+                # --formats' sums as the numbers: to pinned memory behind the same event
+                item.format_numbers = torch.empty(
+                    pending_formats.parts.shape, dtype=torch.float64, pin_memory=True
+                )
+                item.format_numbers.copy_(pending_formats.parts, non_blocking=True)
             item.event = torch.cuda.Event()
             item.event.record(torch.cuda.current_stream(x.device))  # where x's copies queued
         with self.cond:
@@ -286,6 +294,8 @@ class Pipeline:
         if item.event is not None:
             item.event.synchronize()
             numbers = None if item.numbers is None else item.numbers.tolist()
+            if item.format_numbers is not None:
+                item.pending.format_numbers = item.format_numbers.tolist()
             stats = item.pending.result(numbers)
         else:
             assert item.copy is not None

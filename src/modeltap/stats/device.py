@@ -40,7 +40,8 @@ class PendingStats:
     count_zeros: bool = False
     done: TensorStats | None = None
     hist: torch.Tensor | None = None  # counts per bin, still on the device
-    formats: dict[str, dict[str, float | None]] | None = None  # with --formats (stats/formats.py)
+    formats: Any = None  # with --formats: stats.formats.PendingFormats, its sums on the device
+    format_numbers: list[float] | None = None  # its sums, where the caller copied them over
 
     def result(self, numbers: list[float] | None = None) -> TensorStats:
         if self.done is None:
@@ -53,7 +54,9 @@ class PendingStats:
                 self.done = replace(self.done, hist=self.hist.tolist())
                 self.hist = None
             if self.formats is not None:
-                self.done = replace(self.done, formats=self.formats)
+                figures = self.formats.result(self.format_numbers)
+                self.done = replace(self.done, formats=figures)
+                self.formats = self.format_numbers = None
         return self.done
 
     def _finish(self, values: list[float]) -> TensorStats:

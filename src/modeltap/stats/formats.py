@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -130,15 +131,51 @@ def format_errors(
     that rounding without saturation would have given a larger value. `finite=True`: the caller
     knows x holds no NaN or Inf (its statistics counted them), which saves a pass.
     """
+    return begin_format_errors(x, formats, finite=finite).result()
+
+
+@dataclass
+class PendingFormats:
+    """`format_errors` whose partial sums may still be on the tensor's device (`parts`, one
+    float64 vector): `result()` brings them over in one transfer, or takes them as a list from a
+    caller that copied them behind a CUDA event (dump/pipeline.py), so queuing costs no wait."""
+
+    names: list[str]
+    keys: list[Any] = field(default_factory=list)
+    parts: torch.Tensor | None = None
+    numel: int = 0
+
+    def result(self, values: list[float] | None = None) -> dict[str, dict[str, float | None]]:
+        if self.parts is None:  # empty or all zeros: Q is exact
+            return {name: _figures(0.0, 0.0, 0, 0, 0) for name in self.names}
+        total: dict[Any, float] = {}
+        values = self.parts.tolist() if values is None else values
+        for key, value in zip(self.keys, values, strict=True):
+            total[key] = total.get(key, 0.0) + (value * value if value < 0 else value)
+        zeros, norm = round(total["zeros"]), math.sqrt(total["norm"])
+        count = self.numel - zeros
+        out: dict[str, dict[str, float | None]] = {}
+        for name in self.names:
+            under = round(total[name, "zeros"]) - zeros  # Q(0) is 0; padding counts as zeros
+            clipped = round(total.get((name, "clipped"), 0.0))
+            out[name] = _figures(math.sqrt(total[name, "error"]), norm, under, clipped, count)
+        return out
+
+
+def begin_format_errors(
+    x: torch.Tensor, formats: Iterable[str], *, finite: bool | None = None
+) -> PendingFormats:
+    """Queue `format_errors`' work; `.result()` finishes it. On the CPU it is done at once; on a
+    device nothing waits for the device (NaN and Inf are zeroed without looking for them)."""
     names = check_formats(formats)
     x = x.detach()
     if not finite:
         mask = torch.isfinite(x)
-        if not bool(mask.all()):
+        if not _on_host(x.device) or not bool(mask.all()):
             x = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
     values = _Values(x, names) if x.numel() else None
     if values is None or values.amax == 0:  # empty or all zeros: Q is exact
-        return {name: _figures(0.0, 0.0, 0, 0, 0) for name in names}
+        return PendingFormats(names)
     sums = _Sums()
     stacked = not _on_host(values.device)  # a row a format, reduced at once: fewer launches
     # On the CPU each format's Q is reduced while in cache: its zeros counted before the last
@@ -160,15 +197,7 @@ def format_errors(
                 _reduce(chunk, rows, [name], sums)
         if stacked:
             _reduce(chunk, rows, names, sums)
-    total = sums.totals()
-    zeros, norm = round(total["zeros"]), math.sqrt(total["norm"])
-    count = values.flat.numel() - zeros
-    out: dict[str, dict[str, float | None]] = {}
-    for name in names:
-        under = round(total[name, "zeros"]) - zeros  # Q(0) is 0; padding counts as zeros
-        clipped = round(total.get((name, "clipped"), 0.0))
-        out[name] = _figures(math.sqrt(total[name, "error"]), norm, under, clipped, count)
-    return out
+    return PendingFormats(names, sums.keys, sums.gathered(), values.flat.numel())
 
 
 def _reduce(chunk: _Chunk, q: torch.Tensor, names: list[str], sums: _Sums) -> None:
@@ -212,11 +241,9 @@ class _Sums:
         self.keys.extend(keys)
         self.parts.append(part)  # float32 or float64: cat widens them all
 
-    def totals(self) -> dict[Any, float]:
-        total: dict[Any, float] = {}
-        for key, value in zip(self.keys, torch.cat(self.parts).tolist(), strict=True):
-            total[key] = total.get(key, 0.0) + (value * value if value < 0 else value)
-        return total
+    def gathered(self) -> torch.Tensor:
+        """Every part in one float64 vector, still where they were computed."""
+        return torch.cat(self.parts).double()
 
 
 class _Values:

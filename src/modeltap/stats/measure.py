@@ -81,8 +81,10 @@ def begin_stats(
             done = cpu_stats(x, base, **options)
         return PendingStats(base, done=with_formats(done, x, formats))
     pending = device_stats(x, base, **options)
-    if formats and x.is_floating_point():  # on the device: one transfer for all formats
-        pending.formats = format_figures(x, formats)
+    if formats and x.is_floating_point():  # queued on the device: no wait, one transfer
+        from modeltap.stats.formats import begin_format_errors
+
+        pending.formats = begin_format_errors(x, formats)
     return pending
 
 
