@@ -169,9 +169,11 @@ def begin_format_errors(
     device nothing waits for the device (NaN and Inf are zeroed without looking for them)."""
     names = check_formats(formats)
     x = x.detach()
-    if not finite:
+    if not finite and not _on_host(x.device):  # one kernel, and no asking
+        x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    elif not finite:
         mask = torch.isfinite(x)
-        if not _on_host(x.device) or not bool(mask.all()):
+        if not bool(mask.all()):
             x = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
     values = _Values(x, names) if x.numel() else None
     if values is None or values.amax == 0:  # empty or all zeros: Q is exact
