@@ -144,11 +144,9 @@ def stack_source(trace: str | None) -> str:
     """`file:line` of the innermost frame of a node's `stack_trace` outside torch and modeltap
     (capture/ops.py's source_line for a graph); the innermost of torch's own module code
     (`torch/nn/modules/linear.py`) where no other is; "" without a trace."""
-    import torch
+    from importlib.resources import files
 
-    import modeltap
-
-    roots = [os.path.join(m.__path__[0], "") for m in (torch, modeltap)]  # the packages' folders
+    roots = [os.path.join(str(files(p)), "") for p in ("torch", "modeltap")]  # their folders
     module_code = ""
     for path, line in reversed(_FRAME.findall(trace or "")):
         if not any(path.startswith(root) for root in roots):
