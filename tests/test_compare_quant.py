@@ -527,8 +527,8 @@ def test_formats_name_the_planted_outlier_layer_the_worst(tmp_path, fmt: str, wh
         else:
             model, batch, name = _minilm_with_outlier(scale)
         seen: dict[str, torch.Tensor] = {}
-        handle = model.get_submodule(name).register_forward_hook(
-            lambda m, i, o, seen=seen: seen.setdefault("out", o.detach().clone())
+        handle = model.get_submodule(name).register_forward_hook(  # returns None: output kept
+            lambda m, i, o, seen=seen: seen.__setitem__("out", o.detach().clone())
         )
         with torch.no_grad():
             model(**batch)

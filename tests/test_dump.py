@@ -633,14 +633,15 @@ def _hooked_outputs(model, names, run):
     """Each named module's output in a forward `run()`, taken by plain forward hooks."""
     seen = {}
     modules = dict(model.named_modules())
-    handles = [
-        modules[name].register_forward_hook(
-            lambda m, a, out, name=name: seen.setdefault(
-                name, (out[0] if isinstance(out, tuple) else out).detach().clone()
-            )
-        )
-        for name in names
-    ]
+
+    def keep(name):  # a hook that returns nothing, so the module's output stays its own
+        def hook(m, a, out):
+            if name not in seen:
+                seen[name] = (out[0] if isinstance(out, tuple) else out).detach().clone()
+
+        return hook
+
+    handles = [modules[name].register_forward_hook(keep(name)) for name in names]
     try:
         with torch.no_grad():
             run()
