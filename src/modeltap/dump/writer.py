@@ -24,6 +24,7 @@ from modeltap.dump.pipeline import (
     Pipeline,
     byte_view,
     dense,
+    formats_here,
     hold_threads,
     pwrite_all,
     spare_cores,
@@ -38,7 +39,6 @@ from modeltap.stats import (
     dtype_name,
     final_stats,
 )
-from modeltap.stats.measure import format_figures
 
 if TYPE_CHECKING:
     from concurrent.futures import Future, ThreadPoolExecutor
@@ -318,11 +318,7 @@ class DumpWriter:
                     _FINAL_WORKERS, "modeltap-stats", hold_threads, (self._spare,)
                 )
             options = self._options(count_zeros)
-            figures = None
-            if not self._spare and options["formats"] and x.is_floating_point():
-                # no core beside the model's: here, with its cores, not a second team on them
-                figures = format_figures(x, options["formats"])
-                options = {**options, "formats": ()}
+            figures, options = formats_here(x, options, self._spare)  # or on a worker
             self._final[key] = self._final_pool.submit(
                 _final, self._timeline, record, x, options, figures
             )
